@@ -1,0 +1,125 @@
+"""Packed token windows and the resumable, data-parallel-sharded loader.
+
+Documents are tokenized as ``BOS text EOS``, joined into one stream and cut into windows of
+``seq_len + 1`` tokens (inputs are the first ``seq_len``, labels the last ``seq_len``; consecutive
+windows share one token). The window order is a seeded permutation per epoch, fixed for all
+ranks; data-parallel rank ``r`` of ``n`` takes its micro-batch from each consecutive block of
+``n * micro_batch`` windows. So every optimizer step sees the same windows whatever the
+data-parallel degree, and no window is dropped or repeated across ranks.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from dtrain.assets import resolve
+from dtrain.config import ConfigError, DataConfig
+from dtrain.data.tokenizer import Tokenizer
+
+
+class WindowDataset(Protocol):
+    """What the loader needs from a source: a count of windows and each window's tokens."""
+
+    def __len__(self) -> int: ...
+
+    def window(self, index: int) -> np.ndarray: ...
+
+
+class PackedTokens:
+    """A token stream cut into windows of ``seq_len + 1`` tokens."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int):
+        if len(tokens) < seq_len + 1:
+            raise ConfigError(f"the data holds {len(tokens)} tokens, fewer than one window of "
+                             f"seq_len + 1 = {seq_len + 1}: use more data or a smaller seq_len")
+        self.tokens, self.seq_len = tokens, seq_len
+
+    def __len__(self) -> int:
+        return (len(self.tokens) - 1) // self.seq_len
+
+    def window(self, index: int) -> np.ndarray:
+        start = index * self.seq_len
+        return self.tokens[start:start + self.seq_len + 1]
+
+
+def read_documents(path: Path, text_field: str) -> Iterator[str]:
+    """Documents from a JSON-lines file (``text_field`` of each line; .gz allowed) or a plain
+    text file (one document)."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    if ".jsonl" in path.suffixes or ".json" in path.suffixes:
+        with opener(path, "rt", encoding="utf-8") as f:
+            for line_no, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ConfigError(f"{path}:{line_no} is not valid JSON ({e.msg}): fix or "
+                                     "remove that line") from None
+                if text_field not in row:
+                    raise ConfigError(f"{path}:{line_no} has no field '{text_field}': set "
+                                     f"data.text_field to one of {', '.join(row)}")
+                yield row[text_field]
+    else:
+        with opener(path, "rt", encoding="utf-8") as f:
+            yield f.read()
+
+
+def build_dataset(cfg: DataConfig, tokenizer: Tokenizer, seq_len: int) -> WindowDataset:
+    """The recipe's data source as packed windows (the seam the full data pipeline extends)."""
+    path = resolve(cfg.path)
+    if not path.is_file():
+        raise ConfigError(f"data.path: file {path} not found: set data.path to a .jsonl, .json "
+                                "or text file")
+    docs = list(read_documents(path, cfg.text_field))
+    ids = tokenizer.encode_batch(docs, bos=True, eos=True)
+    tokens = np.fromiter((t for doc in ids for t in doc), dtype=np.int64)
+    return PackedTokens(tokens, seq_len)
+
+
+class DataLoader:
+    """Micro-batches ``(inputs, labels)``, each (micro_batch, seq_len) int64, for one
+    data-parallel rank. ``state_dict`` holds the global window cursor, so a run resumes where it
+    stopped, also under another data-parallel degree with the same global batch."""
+
+    def __init__(self, dataset: WindowDataset, micro_batch: int, dp_rank: int = 0,
+                 dp_size: int = 1, seed: int = 0, shuffle: bool = True):
+        self.dataset, self.micro_batch = dataset, micro_batch
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.seed, self.shuffle = seed, shuffle
+        self.consumed = 0  # windows taken by all ranks together
+        self._order_epoch, self._order = -1, np.arange(0)
+
+    def _index(self, position: int) -> int:
+        epoch, offset = divmod(position, len(self.dataset))
+        if not self.shuffle:
+            return offset
+        if epoch != self._order_epoch:
+            rng = np.random.default_rng([self.seed, epoch])
+            self._order, self._order_epoch = rng.permutation(len(self.dataset)), epoch
+        return int(self._order[offset])
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        start = self.consumed + self.dp_rank * self.micro_batch
+        rows = np.stack([self.dataset.window(self._index(start + i))
+                         for i in range(self.micro_batch)])
+        self.consumed += self.dp_size * self.micro_batch
+        batch = torch.from_numpy(rows.astype(np.int64))
+        return batch[:, :-1], batch[:, 1:]
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        while True:
+            yield self.next_batch()
+
+    def state_dict(self) -> dict[str, int]:
+        return {"consumed": self.consumed, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.consumed, self.seed = int(state["consumed"]), int(state["seed"])

@@ -1,0 +1,53 @@
+"""HF ``tokenizers`` wrapper: a tokenizer.json (or a folder holding one) with BOS/EOS."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer as HFTokenizer
+
+from dtrain.assets import resolve
+
+
+class Tokenizer:
+    """Encodes text to token ids. BOS/EOS come from tokenizer_config.json beside the file
+    (``bos_token``/``eos_token``) unless given."""
+
+    def __init__(self, path: str | Path, bos: str | None = None, eos: str | None = None):
+        path = resolve(str(path))
+        file = path / "tokenizer.json" if path.is_dir() else path
+        if not file.is_file():
+            raise FileNotFoundError(f"tokenizer file {file} not found: set data.tokenizer to a "
+                                    "tokenizer.json or a folder holding one")
+        self._tok = HFTokenizer.from_file(str(file))
+        special = {}
+        config = file.parent / "tokenizer_config.json"
+        if config.is_file():
+            special = json.loads(config.read_text())
+        self.bos_id = self._token_id(bos or _content(special.get("bos_token")))
+        self.eos_id = self._token_id(eos or _content(special.get("eos_token")))
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+
+    def _token_id(self, token: str | None) -> int | None:
+        return None if token is None else self._tok.token_to_id(token)
+
+    def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        return ([self.bos_id] if bos and self.bos_id is not None else []) + ids + (
+            [self.eos_id] if eos and self.eos_id is not None else [])
+
+    def encode_batch(self, texts: list[str], bos: bool = False, eos: bool = False
+                     ) -> list[list[int]]:
+        out = self._tok.encode_batch(texts, add_special_tokens=False)
+        head = [self.bos_id] if bos and self.bos_id is not None else []
+        tail = [self.eos_id] if eos and self.eos_id is not None else []
+        return [head + e.ids + tail for e in out]
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids)
+
+
+def _content(token: str | dict | None) -> str | None:
+    """tokenizer_config.json stores special tokens as strings or as {"content": ...}."""
+    return token.get("content") if isinstance(token, dict) else token

@@ -1,0 +1,127 @@
+"""Throughput and MFU arithmetic, memory readings, and the console / TensorBoard / JSON-lines log.
+
+Conventions (torchtitan's, so figures compare directly): tokens/s per GPU = tokens in the step /
+step time / number of GPUs; FLOPs per token = 6 x non-embedding parameters (active parameters for
+MoE) + 12 x layers x heads x head_dim x seq_len; MFU against the dense bf16 peak of the device,
+also for FP8 runs.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from dtrain.config import MetricsConfig
+from dtrain.models.llama import Transformer
+
+# Dense bf16 peak TFLOP/s by device-name fragment, most specific first.
+PEAK_TFLOPS = [
+    ("H200", 989.0), ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0),
+    ("GH200", 989.0), ("H800", 989.0), ("H20", 148.0), ("B200", 2250.0), ("GB200", 2500.0),
+    ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0), ("L4", 121.0), ("A10G", 70.0),
+    ("RTX 4090", 165.0), ("MI300X", 1307.0), ("MI250X", 383.0),
+]
+
+
+def peak_tflops(device: torch.device, override: float = 0.0) -> float | None:
+    """The device's dense bf16 peak in TFLOP/s: ``override`` if set, else looked up by name
+    (None when unknown, e.g. on CPU, and MFU is then not reported)."""
+    if override > 0:
+        return override
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in PEAK_TFLOPS if key in name), None)
+
+
+def flops_per_token(num_params: int, n_layers: int, n_heads: int, head_dim: int,
+                    seq_len: int) -> int:
+    """Training FLOPs per token: 6N for the matmuls over weights (forward 2N, backward 4N)
+    and 12 L H d T for attention scores and values (causal masking not discounted)."""
+    return 6 * num_params + 12 * n_layers * n_heads * head_dim * seq_len
+
+
+def model_flops_per_token(model: Transformer, seq_len: int) -> int:
+    """``flops_per_token`` for a whole (unsharded, possibly meta) model."""
+    args = model.args
+    return flops_per_token(model.num_params(exclude_embedding=True), args.n_layers, args.n_heads,
+                           args.head_dim, seq_len)
+
+
+def mfu(tokens_per_second_per_device: float, flops_per_token_: int, peak: float) -> float:
+    """Model FLOPs utilisation in [0, 1]: achieved FLOP/s per device over the peak (TFLOP/s)."""
+    return tokens_per_second_per_device * flops_per_token_ / (peak * 1e12)
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak allocated GPU memory since the last reset, or the process's peak RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kib / 2**20 if sys.platform != "darwin" else kib / 2**30
+
+
+def peak_reserved_gib(device: torch.device) -> float | None:
+    """Peak memory held by the CUDA caching allocator (what nvidia-smi sees), None on CPU."""
+    return torch.cuda.max_memory_reserved(device) / 2**30 if device.type == "cuda" else None
+
+
+def format_eta(seconds: float) -> str:
+    seconds = int(seconds)
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}"
+
+
+class MetricsLogger:
+    """Writes one record per logged step to the console, TensorBoard (``<run>/tb``) and
+    ``<run>/metrics.jsonl``. Only the rank given ``enabled=True`` writes."""
+
+    def __init__(self, cfg: MetricsConfig, run_dir: Path, enabled: bool):
+        self.enabled = enabled
+        self._writer = None
+        self._jsonl = None
+        if not enabled:
+            return
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self._jsonl = open(run_dir / "metrics.jsonl", "a")
+        if cfg.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(log_dir=str(run_dir / "tb"))
+
+    def log(self, step: int, total_steps: int, record: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        record = {"step": step, **record, "time": time.time()}
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        if self._writer is not None:
+            for key, value in record.items():
+                if key not in ("step", "time"):
+                    self._writer.add_scalar(key, value, step)
+            self._writer.flush()
+        print(self.format_line(step, total_steps, record), flush=True)
+
+    @staticmethod
+    def format_line(step: int, total_steps: int, r: dict[str, float]) -> str:
+        parts = [f"step {step:>{len(str(total_steps))}}/{total_steps}",
+                 f"loss {r['loss']:.4f}", f"grad_norm {r['grad_norm']:.3f}",
+                 f"lr {r['lr']:.2e}", f"{r['tokens_per_second_per_device']:,.0f} tok/s/dev",
+                 f"{r['tflops_per_device']:.1f} TFLOP/s"]
+        if "mfu_percent" in r:
+            parts.append(f"MFU {r['mfu_percent']:.1f}%")
+        parts += [f"step {r['step_time_s']:.3f}s", f"data {r['data_wait_percent']:.1f}%",
+                  f"mem {r['peak_memory_gib']:.1f}GiB",
+                  f"{100 * step / total_steps:.0f}% ETA {format_eta(r['eta_s'])}"]
+        return " | ".join(parts)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+        if self._jsonl is not None:
+            self._jsonl.close()

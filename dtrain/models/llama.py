@@ -1,0 +1,226 @@
+"""LLaMA 2/3 decoder, single-device code: parallelism is applied from outside (dtrain.parallel).
+
+Blocks live in a ``ModuleDict`` keyed "0".."n-1" so names stay stable when a pipeline stage drops
+some; ``tok_embeddings``, ``norm`` and ``output`` may be set to ``None`` by a stage and ``forward``
+still works (it then takes and returns hidden states).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from dtrain.models import init
+
+
+@dataclass
+class LlamaArgs:
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int | None = None
+    vocab_size: int = 128256
+    multiple_of: int = 256
+    ffn_dim_multiplier: float | None = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    rope_scaling: RopeScaling | None = None
+    max_seq_len: int = 8192
+    tie_embeddings: bool = False
+    attention_backend: str = "auto"
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def ffn_dim(self) -> int:
+        """Llama's rule: 2/3 of 4*dim, scaled by ffn_dim_multiplier, rounded up to multiple_of."""
+        hidden = int(2 * 4 * self.dim / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+
+
+@dataclass
+class RopeScaling:
+    """Llama 3.1 frequency scaling of RoPE for long context."""
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_seq_len: int = 8192
+
+
+def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """Rotation frequency of each pair of channels, shape (head_dim // 2,), float64."""
+    freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    if scaling is None:
+        return freqs
+    wavelen = 2 * math.pi / freqs
+    low_wavelen = scaling.original_max_seq_len / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_seq_len / scaling.high_freq_factor
+    smooth = ((scaling.original_max_seq_len / wavelen - scaling.low_freq_factor)
+              / (scaling.high_freq_factor - scaling.low_freq_factor))
+    blended = (1 - smooth) * freqs / scaling.factor + smooth * freqs
+    return torch.where(wavelen > low_wavelen, freqs / scaling.factor,
+                       torch.where(wavelen < high_wavelen, freqs, blended))
+
+
+def rope_cache(seq_len: int, head_dim: int, theta: float,
+               scaling: RopeScaling | None) -> torch.Tensor:
+    """cos and sin per position and channel pair, shape (seq_len, head_dim // 2, 2), float32."""
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64),
+                         rope_frequencies(head_dim, theta, scaling))
+    return torch.stack([angles.cos(), angles.sin()], dim=-1).float()
+
+
+def apply_rope(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """Rotates channel pairs (2i, 2i+1) of x (batch, seq, heads, head_dim) by the cached angles
+    (Meta's interleaved layout)."""
+    pairs = x.float().unflatten(-1, (-1, 2))
+    cos, sin = cache[: x.shape[1], None, :, 0], cache[: x.shape[1], None, :, 1]
+    real = pairs[..., 0] * cos - pairs[..., 1] * sin
+    imag = pairs[..., 0] * sin + pairs[..., 1] * cos
+    return torch.stack([real, imag], dim=-1).flatten(-2).type_as(x)
+
+
+def canonical_name(name: str) -> str:
+    """A parameter's name without the wrappers compile and checkpointing insert, so weight init
+    and checkpoints see the same names on every configuration."""
+    for wrapper in ("_orig_mod.", "_checkpoint_wrapped_module."):
+        name = name.replace(wrapper, "")
+    return name
+
+
+_BACKENDS = {
+    "auto": [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
+             SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],
+    "cudnn": [SDPBackend.CUDNN_ATTENTION],
+    "flash": [SDPBackend.FLASH_ATTENTION],
+    "efficient": [SDPBackend.EFFICIENT_ATTENTION],
+    "math": [SDPBackend.MATH],
+}
+
+
+class Attention(nn.Module):
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.kv_heads, args.head_dim
+        self.backends = _BACKENDS[args.attention_backend]
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        # -1 heads: under tensor parallel each rank holds a slice of the heads.
+        q = self.wq(x).view(batch, seq, -1, self.head_dim)
+        k = self.wk(x).view(batch, seq, -1, self.head_dim)
+        v = self.wv(x).view(batch, seq, -1, self.head_dim)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        repeat = q.shape[2] // k.shape[2]
+        if repeat > 1:  # grouped-query attention: each KV head serves `repeat` query heads
+            k = k.repeat_interleave(repeat, dim=2)
+            v = v.repeat_interleave(repeat, dim=2)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        cuda = x.is_cuda
+        with sdpa_kernel(self.backends, set_priority=True) if cuda else contextlib.nullcontext():
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, layer_id: int, args: LlamaArgs):
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.feed_forward = FeedForward(args.dim, args.ffn_dim)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), rope)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args)
+                                     for i in range(args.n_layers)})
+        self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.register_buffer("rope", rope_cache(args.max_seq_len, args.head_dim, args.rope_theta,
+                                                args.rope_scaling), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens (batch, seq) int64 -> logits (batch, seq, vocab); a pipeline stage without
+        embeddings takes hidden states, one without ``output`` returns them."""
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for layer in self.layers.values():
+            h = layer(h, self.rope)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
+
+    @torch.no_grad()
+    def init_weights(self, seed: int, buffer_device: torch.device | None = None) -> None:
+        """Fills every parameter from ``seed`` alone (see ``dtrain.models.init``) and rebuilds
+        the RoPE cache, so a model materialised from ``meta`` by ``to_empty`` is ready to train.
+
+        Scheme: embeddings N(0, 1) (N(0, 0.02) when tied to the output); q/k/v/w1 N(0, 0.02);
+        wo/w2/w3 N(0, 0.02 / sqrt(2 (l + 1))) (depth-scaled); output N(0, dim^-1/2); all
+        truncated at 3 sigma except the embeddings."""
+        args = self.args
+        device = buffer_device or self.rope.device
+        self.rope = rope_cache(args.max_seq_len, args.head_dim, args.rope_theta,
+                               args.rope_scaling).to(device)
+        for name, param in self.named_parameters():
+            name = canonical_name(name)
+            leaf = name.rsplit(".", 2)[-2]
+            if "norm" in leaf:
+                init.constant_(param, 1.0)
+            elif leaf == "tok_embeddings":  # also the output layer when tied: keep logits small
+                init.normal_(param, 0.02 if args.tie_embeddings else 1.0, seed, name)
+            elif leaf == "output":
+                init.normal_(param, args.dim ** -0.5, seed, name, cutoff=3.0)
+            elif leaf in ("wq", "wk", "wv", "w1"):
+                init.normal_(param, 0.02, seed, name, cutoff=3.0)
+            else:  # wo, w2, w3
+                layer_id = int(name.split(".")[1])
+                init.normal_(param, 0.02 / math.sqrt(2 * (layer_id + 1)), seed, name, cutoff=3.0)
+
+    def num_params(self, exclude_embedding: bool = False) -> int:
+        """Parameter count (shared weights once); with exclude_embedding, without the input
+        embedding table unless it is tied to the output layer."""
+        total = sum(p.numel() for p in self.parameters())
+        if exclude_embedding and self.tok_embeddings is not None and not self.args.tie_embeddings:
+            total -= self.tok_embeddings.weight.numel()
+        return total

@@ -1,0 +1,39 @@
+"""Published model shapes. ``PRESETS[name]`` is the ``LlamaArgs`` of that model."""
+
+from dtrain.models.llama import LlamaArgs, RopeScaling
+
+LLAMA31_SCALING = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                              original_max_seq_len=8192)
+LLAMA32_SCALING = RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                              original_max_seq_len=8192)
+
+PRESETS: dict[str, LlamaArgs] = {
+    # Tiny, for CPU tests and the debug recipe (vocabulary of the shipped debug tokenizer).
+    "llama3_debug": LlamaArgs(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=4096,
+                              multiple_of=64, rope_theta=500000.0, max_seq_len=2048),
+    # Llama 3.2 1B / 3B: tied embeddings, RoPE scaled by 32.
+    "llama3_1b": LlamaArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256,
+                           multiple_of=256, ffn_dim_multiplier=1.5, rope_theta=500000.0,
+                           rope_scaling=LLAMA32_SCALING, max_seq_len=131072,
+                           tie_embeddings=True),
+    "llama3_3b": LlamaArgs(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, vocab_size=128256,
+                           multiple_of=256, ffn_dim_multiplier=1.0, rope_theta=500000.0,
+                           rope_scaling=LLAMA32_SCALING, max_seq_len=131072,
+                           tie_embeddings=True),
+    # Llama 3.1 8B / 70B / 405B.
+    "llama3_8b": LlamaArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256,
+                           multiple_of=1024, ffn_dim_multiplier=1.3, rope_theta=500000.0,
+                           rope_scaling=LLAMA31_SCALING, max_seq_len=131072),
+    "llama3_70b": LlamaArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256,
+                            multiple_of=4096, ffn_dim_multiplier=1.3, rope_theta=500000.0,
+                            rope_scaling=LLAMA31_SCALING, max_seq_len=131072),
+    "llama3_405b": LlamaArgs(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8,
+                             vocab_size=128256, multiple_of=4096, ffn_dim_multiplier=1.2,
+                             rope_theta=500000.0, rope_scaling=LLAMA31_SCALING,
+                             max_seq_len=131072),
+    # Llama 2: multi-head attention, 32k vocabulary, 4k context.
+    "llama2_7b": LlamaArgs(dim=4096, n_layers=32, n_heads=32, vocab_size=32000, multiple_of=256,
+                           rope_theta=10000.0, max_seq_len=4096),
+    "llama2_13b": LlamaArgs(dim=5120, n_layers=40, n_heads=40, vocab_size=32000,
+                            multiple_of=256, rope_theta=10000.0, max_seq_len=4096),
+}

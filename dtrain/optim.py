@@ -1,0 +1,73 @@
+"""AdamW, learning-rate schedules and gradient clipping over (possibly sharded) parameters."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from dtrain.config import LRScheduleConfig, OptimizerConfig
+
+
+def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device_type: str
+                    ) -> torch.optim.Optimizer:
+    """AdamW with weight decay on matrices only (norm weights are not decayed)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    impl = cfg.implementation
+    if impl == "auto":
+        impl = "fused" if device_type == "cuda" else "foreach"
+    kwargs = {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **kwargs)
+
+
+def lr_factor(step: int, cfg: LRScheduleConfig, total_steps: int, peak_lr: float) -> float:
+    """Multiplier of the peak learning rate for 1-based optimizer step ``step``.
+
+    Warmup: step / warmup_steps. Then, over the steps after warmup, cosine or linear decay to
+    min_lr at ``total_steps``, constant, or wsd (warmup-stable-decay: constant, then decay over the
+    last ``wsd_decay_fraction`` of all steps)."""
+    if step <= cfg.warmup_steps:
+        return step / cfg.warmup_steps
+    floor = cfg.min_lr / peak_lr
+    if cfg.decay == "constant":
+        return 1.0
+    if cfg.decay == "wsd":
+        decay_steps = round(cfg.wsd_decay_fraction * total_steps)
+        decay_start = max(total_steps - decay_steps, cfg.warmup_steps)
+        if step <= decay_start or total_steps == decay_start:
+            return 1.0
+        progress = (step - decay_start) / (total_steps - decay_start)
+        shape = {"linear": 1 - progress,
+                 "cosine": 0.5 * (1 + math.cos(math.pi * progress)),
+                 "sqrt": 1 - math.sqrt(progress)}[cfg.wsd_decay_shape]
+        return floor + (1 - floor) * shape
+    span = total_steps - cfg.warmup_steps
+    progress = min((step - cfg.warmup_steps) / span, 1.0) if span > 0 else 1.0
+    if cfg.decay == "linear":
+        return floor + (1 - floor) * (1 - progress)
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: LRScheduleConfig,
+                       total_steps: int, peak_lr: float) -> torch.optim.lr_scheduler.LambdaLR:
+    """A LambdaLR whose ``last_epoch`` counts optimizer steps; the lr in use at step s (1-based)
+    is ``peak_lr * lr_factor(s)``."""
+    # LambdaLR evaluates the factor at 0 on construction and at n after the n-th step, so
+    # shift by one: the n-th optimizer step runs with factor(n).
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda n: lr_factor(n + 1, cfg, total_steps, peak_lr))
+
+
+def clip_grad_norm_(parameters: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Global L2 norm of all gradients (the norm of the full, unsharded gradient when they are
+    DTensors) and, if ``max_norm > 0``, scales them so the norm is at most ``max_norm``."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+    if hasattr(norm, "full_tensor"):  # DTensor: reduce the partial norms across the mesh
+        norm = norm.full_tensor()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm)
+    return norm

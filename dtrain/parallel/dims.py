@@ -1,0 +1,90 @@
+"""ParallelDims: the parallel degrees of a run, checked, and the DeviceMesh they describe.
+
+Mesh dimensions, outermost first: ``pp, dp_replicate, dp_shard, cp, tp`` (only those > 1 are
+built). Flattened submeshes: ``dp`` (dp_replicate x dp_shard: data loading), ``dp_shard_cp``
+(FSDP shards over it) and ``dp_cp`` (loss and gradient-norm reduction).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from dtrain.config import ConfigError, ParallelConfig
+
+# Degrees that have an implementation in dtrain.parallel; the rest are refused with a message.
+IMPLEMENTED = ("dp_replicate", "dp_shard")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    tp: int
+    pp: int
+    ep: int
+    world_size: int
+
+    @classmethod
+    def from_config(cls, cfg: ParallelConfig, world_size: int) -> ParallelDims:
+        """Resolves ``dp_shard = -1`` to the ranks left over and checks that the degrees
+        multiply to ``world_size``. Raises ConfigError naming the numbers to change."""
+        others = cfg.dp_replicate * cfg.cp * cfg.tp * cfg.pp
+        dp_shard = cfg.dp_shard
+        if dp_shard == -1:
+            if world_size % others:
+                raise ConfigError(
+                    f"parallel degrees dp_replicate={cfg.dp_replicate} x cp={cfg.cp} x "
+                    f"tp={cfg.tp} x pp={cfg.pp} = {others} do not divide the world size "
+                    f"{world_size}: change them so their product divides {world_size}")
+            dp_shard = world_size // others
+        if others * dp_shard != world_size:
+            raise ConfigError(
+                f"parallel degrees dp_replicate={cfg.dp_replicate} x dp_shard={dp_shard} x "
+                f"cp={cfg.cp} x tp={cfg.tp} x pp={cfg.pp} = {others * dp_shard} but the world "
+                f"size is {world_size}: make the product {world_size} (dp_shard=-1 fills it)")
+        if (dp_shard * cfg.cp) % cfg.ep:
+            raise ConfigError(f"parallel.ep={cfg.ep} must divide dp_shard x cp = "
+                              f"{dp_shard * cfg.cp}: experts are spread over those ranks")
+        dims = cls(cfg.dp_replicate, dp_shard, cfg.cp, cfg.tp, cfg.pp, cfg.ep, world_size)
+        missing = [f"{name}={getattr(dims, name)}" for name in ("cp", "tp", "pp", "ep")
+                   if getattr(dims, name) > 1 and name not in IMPLEMENTED]
+        if missing:
+            raise ConfigError(f"parallel {', '.join(missing)} is not available in this version "
+                              f"of dtrain: set {' and '.join(m.split('=')[0] for m in missing)} "
+                              "to 1 (data parallel: dp_shard, dp_replicate)")
+        return dims
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: ranks that read different data."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        """Whether parameters need data-parallel sharding or gradient synchronisation."""
+        return self.dp_replicate * self.dp_shard * self.cp > 1
+
+    def fsdp_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
+        """The mesh FSDP works on: 2-D (replicate, shard) for HSDP, else 1-D. Replicas without
+        sharding are treated as FSDP over the replicas (same gradients, less memory)."""
+        if self.dp_replicate > 1 and self.dp_shard * self.cp > 1:
+            return mesh["dp_replicate", "dp_shard_cp"]
+        return mesh["dp_replicate"] if self.dp_replicate > 1 else mesh["dp_shard_cp"]
+
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        """The world mesh with its named and flattened submeshes (needs an initialised
+        process group of ``world_size`` ranks)."""
+        names = [n for n in ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+                 if getattr(self, n) > 1] or ["dp_shard"]
+        mesh = init_device_mesh(device_type, tuple(getattr(self, n) for n in names),
+                                mesh_dim_names=tuple(names))
+        for flat, parts in (("dp", ("dp_replicate", "dp_shard")),
+                            ("dp_shard_cp", ("dp_shard", "cp")),
+                            ("dp_cp", ("dp_replicate", "dp_shard", "cp"))):
+            present = tuple(p for p in parts if p in names)
+            if present:  # a one-dimension flatten just gives that dimension a second name
+                mesh[present]._flatten(mesh_dim_name=flat)
+        return mesh

@@ -1,0 +1,266 @@
+"""The trainer: ``torchrun --nproc_per_node=N -m dtrain.train --recipe debug`` or, from Python,
+``Trainer(load_config("debug")).train()``.
+
+One run, in order: config -> distributed init and mesh -> tokenizer and data loader -> model on
+``meta`` -> parallelize -> ``to_empty`` + ``init_weights`` -> optimizer and LR schedule -> the loop
+(gradient accumulation, clipping, step, metrics).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from dtrain.config import Config, ConfigError, TrainingConfig, help_text, load_config
+from dtrain.data.loader import DataLoader, build_dataset
+from dtrain.data.tokenizer import Tokenizer
+from dtrain.metrics import (
+    MetricsLogger,
+    mfu,
+    model_flops_per_token,
+    peak_memory_gib,
+    peak_reserved_gib,
+    peak_tflops,
+)
+from dtrain.models import Transformer, model_args
+from dtrain.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
+from dtrain.parallel import ParallelDims, parallelize
+
+
+def init_distributed(device_kind: str) -> tuple[torch.device, int, int]:
+    """Joins the torchrun process group when there is one (NCCL on GPU, gloo on CPU).
+    Returns (device, rank, world size); a plain ``python`` process is rank 0 of 1."""
+    use_cuda = device_kind == "cuda" or (device_kind == "auto" and torch.cuda.is_available())
+    if device_kind == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("training.device = 'cuda' but no CUDA device is visible: use 'auto' "
+                          "or 'cpu'")
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if use_cuda else "gloo",
+                                device_id=device if use_cuda else None)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return device, rank, world_size
+
+
+def batch_arithmetic(cfg: TrainingConfig, dp: int) -> tuple[int, int]:
+    """(global batch, gradient-accumulation steps) from the recipe: global = micro x dp x accum.
+    Raises ConfigError when the given numbers do not divide."""
+    micro = cfg.micro_batch_size
+    if cfg.global_batch_size == 0:
+        accum = cfg.grad_accum_steps or 1
+        return micro * dp * accum, accum
+    per_step = micro * dp
+    if cfg.global_batch_size % per_step:
+        raise ConfigError(
+            f"training.global_batch_size = {cfg.global_batch_size} is not divisible by "
+            f"micro_batch_size x data-parallel degree = {micro} x {dp} = {per_step}: use a "
+            f"multiple of {per_step} or change micro_batch_size")
+    accum = cfg.global_batch_size // per_step
+    if cfg.grad_accum_steps not in (0, accum):
+        raise ConfigError(
+            f"training.grad_accum_steps = {cfg.grad_accum_steps} disagrees with "
+            f"global_batch_size / (micro_batch_size x dp) = {accum}: set one of them to 0")
+    return cfg.global_batch_size, accum
+
+
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed token cross-entropy in fp32 (labels of -100 are ignored)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum",
+                           ignore_index=-100)
+
+
+class Trainer:
+    """Builds everything a run needs from ``config`` and trains with ``train()``."""
+
+    def __init__(self, config: Config):
+        self.config = cfg = config
+        if cfg.fp8.enabled:
+            raise ConfigError("fp8.enabled = true is not available in this version of dtrain: "
+                              "set fp8.enabled = false")
+        if cfg.checkpoint.enabled:
+            raise ConfigError("checkpoint.enabled = true is not available in this version of "
+                              "dtrain: set checkpoint.enabled = false")
+        self.device, self.rank, self.world_size = init_distributed(cfg.training.device)
+        self.dims = ParallelDims.from_config(cfg.parallel, self.world_size)
+        self.mesh = self.dims.build_mesh(self.device.type) if self.world_size > 1 else None
+        self.global_batch, self.grad_accum = batch_arithmetic(cfg.training, self.dims.dp)
+        torch.manual_seed(cfg.training.seed)
+        if cfg.training.deterministic:
+            torch.use_deterministic_algorithms(True)
+
+        tcfg = cfg.training
+        self.tokenizer = Tokenizer(cfg.data.tokenizer)
+        dp_rank = self.mesh["dp"].get_local_rank() if self.mesh is not None else 0
+        self.loader = DataLoader(build_dataset(cfg.data, self.tokenizer, tcfg.seq_len),
+                                 tcfg.micro_batch_size, dp_rank, self.dims.dp, tcfg.seed)
+
+        args = model_args(cfg.model.name, n_layers=cfg.model.n_layers,
+                          vocab_size=cfg.model.vocab_size,
+                          attention_backend=cfg.model.attention_backend)
+        if self.tokenizer.vocab_size > args.vocab_size:
+            raise ConfigError(f"the tokenizer has {self.tokenizer.vocab_size} tokens but model "
+                              f"'{cfg.model.name}' has a vocabulary of {args.vocab_size}: set "
+                              f"model.vocab_size >= {self.tokenizer.vocab_size}")
+        if tcfg.seq_len > args.max_seq_len:
+            raise ConfigError(f"training.seq_len = {tcfg.seq_len} exceeds the model's "
+                              f"max_seq_len {args.max_seq_len}: use a shorter sequence")
+        with torch.device("meta"):
+            model = Transformer(args)
+        self.num_params = model.num_params()
+        self.flops_per_token = model_flops_per_token(model, tcfg.seq_len)
+
+        bf16 = tcfg.mixed_precision == "bf16" or (
+            tcfg.mixed_precision == "auto" and self.device.type == "cuda")
+        self.compute_dtype = torch.bfloat16 if bf16 else torch.float32
+        self.model = parallelize(model, self.dims, self.mesh, cfg.parallel,
+                                 cfg.activation_checkpoint, cfg.compile, self.compute_dtype)
+        # FSDP casts parameters itself; without it, autocast gives bf16 compute on fp32 weights.
+        self.autocast = bf16 and not (self.mesh is not None and self.dims.fsdp_enabled)
+        self.model.to_empty(device=self.device)
+        self.model.init_weights(tcfg.seed, buffer_device=self.device)
+        self.model.train()
+        self.loss_fn = torch.compile(cross_entropy_sum) if cfg.compile.enabled \
+            else cross_entropy_sum
+
+        self.optimizer = build_optimizer(self.model, cfg.optimizer, self.device.type)
+        self.scheduler = build_lr_scheduler(self.optimizer, cfg.lr_schedule, tcfg.steps,
+                                            cfg.optimizer.lr)
+        self.step = 0
+        self.history: list[dict[str, float]] = []
+
+        self.run_dir = Path(cfg.job.output_dir) / cfg.job.name
+        self.metrics = MetricsLogger(cfg.metrics, self.run_dir, enabled=self.rank == 0)
+        self.peak_tflops = peak_tflops(self.device, cfg.metrics.peak_tflops)
+        if self.rank == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.toml").write_text(cfg.to_toml())
+            print(cfg.to_toml())
+            print(f"model {cfg.model.name}: {self.num_params / 1e6:,.1f}M parameters | "
+                  f"world {self.world_size} ({self.device.type}) | dp {self.dims.dp} | global "
+                  f"batch {self.global_batch} x {tcfg.seq_len} tokens = micro "
+                  f"{tcfg.micro_batch_size} x dp {self.dims.dp} x accum {self.grad_accum} | "
+                  f"{self.compute_dtype} compute | run folder {self.run_dir}", flush=True)
+
+    def _reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """Sum over the ranks that hold different data."""
+        if self.mesh is not None and self.dims.dp > 1:
+            dist.all_reduce(value, group=self.mesh["dp_cp"].get_group())
+        return value
+
+    def train_step(self) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """One optimizer step over the global batch. Returns (mean token loss, gradient norm)
+        as device tensors and the seconds spent waiting for data."""
+        tcfg = self.config.training
+        tokens = self.global_batch * tcfg.seq_len
+        # Each rank's gradient is averaged over dp by FSDP; scale so the result is the gradient
+        # of the mean token loss over the whole global batch.
+        scale = self.dims.dp / tokens
+        loss_sum = torch.zeros((), device=self.device)
+        data_wait = 0.0
+        for _ in range(self.grad_accum):
+            start = time.perf_counter()
+            inputs, labels = self.loader.next_batch()
+            inputs = inputs.to(self.device, non_blocking=True)
+            labels = labels.to(self.device, non_blocking=True)
+            data_wait += time.perf_counter() - start
+            ctx = torch.autocast(self.device.type, dtype=self.compute_dtype) if self.autocast \
+                else contextlib.nullcontext()
+            with ctx:
+                loss = self.loss_fn(self.model(inputs), labels)
+            (loss * scale).backward()
+            loss_sum += loss.detach()
+        grad_norm = clip_grad_norm_(list(self.model.parameters()), tcfg.max_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return self._reduce_sum(loss_sum) / tokens, grad_norm, data_wait
+
+    def train(self) -> list[dict[str, float]]:
+        """Runs to ``training.steps``; returns the logged records (also in metrics.jsonl)."""
+        tcfg, mcfg = self.config.training, self.config.metrics
+        tokens_per_step = self.global_batch * tcfg.seq_len
+        interval_start, interval_steps, data_wait = time.perf_counter(), 0, 0.0
+        run_start = interval_start
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        while self.step < tcfg.steps:
+            lr = self.optimizer.param_groups[0]["lr"]
+            loss, grad_norm, wait = self.train_step()
+            self.step += 1
+            interval_steps += 1
+            data_wait += wait
+            if self.step % mcfg.log_every and self.step != tcfg.steps:
+                continue
+            loss_value, norm_value = loss.item(), grad_norm.item()  # waits for the device
+            now = time.perf_counter()
+            step_time = (now - interval_start) / interval_steps
+            tps = tokens_per_step / step_time / self.world_size
+            record = {
+                "loss": loss_value, "grad_norm": norm_value, "lr": lr,
+                "tokens_per_second_per_device": tps,
+                "tflops_per_device": tps * self.flops_per_token / 1e12,
+                "step_time_s": step_time,
+                "data_wait_percent": 100 * data_wait / (now - interval_start),
+                "peak_memory_gib": peak_memory_gib(self.device),
+                "eta_s": (now - run_start) / self.step * (tcfg.steps - self.step),
+            }
+            if (reserved := peak_reserved_gib(self.device)) is not None:
+                record["peak_reserved_gib"] = reserved
+            if self.peak_tflops:
+                record["mfu_percent"] = 100 * mfu(tps, self.flops_per_token, self.peak_tflops)
+            self.history.append({"step": self.step, **record})
+            self.metrics.log(self.step, tcfg.steps, record)
+            interval_start, interval_steps, data_wait = time.perf_counter(), 0, 0.0
+        self.metrics.close()
+        return self.history
+
+    def close(self) -> None:
+        """Leaves the process group (for notebooks that build several trainers)."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m dtrain.train", add_help=False,
+        description="Train a model from a recipe; any config field can be overridden with "
+                    "--section.key value.")
+    parser.add_argument("--recipe", help="recipe name (recipes/NAME.toml) or path")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved config and exit")
+    parser.add_argument("-h", "--help", action="store_true", help="show every config field")
+    known, overrides = parser.parse_known_args(argv)
+    if known.help:
+        parser.print_help()
+        print("\nconfig fields:\n" + help_text())
+        return 0
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        config = load_config(known.recipe, overrides)
+        if known.print_config:
+            print(config.to_toml())
+            return 0
+        trainer = Trainer(config)
+        trainer.train()
+        trainer.close()
+    except (ConfigError, FileNotFoundError) as e:
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,33 @@
+"""The command line: exit code 2 and one clear line for bad input; --print-config; --help."""
+
+import pytest
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--recipe", "debug", "--training.step", "3"], "unknown key 'training.step'"),
+    (["--recipe", "missing_recipe"], "recipe 'missing_recipe' not found"),
+    (["--recipe", "debug", "--training.global_batch_size", "6", "--training.micro_batch_size",
+      "4"], "training.global_batch_size = 6 is not divisible by"),
+    (["--recipe", "debug", "--data.path", "/nonexistent.jsonl"], "data.path: file"),
+    (["--recipe", "debug", "--training.seq_len", "4096"], "exceeds the model's max_seq_len"),
+    (["--recipe", "debug", "--parallel.tp", "2"], "do not divide the world size 1"),
+])
+def test_bad_input_exits_2_with_one_line(cli, args, message):
+    result = cli(args)
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_print_config_prints_resolved_config_and_exits(cli):
+    result = cli(["--recipe", "debug", "--training.steps", "3", "--print-config"])
+    assert result.returncode == 0
+    assert "[training]\nsteps = 3\n" in result.stdout
+    assert "step " not in result.stdout  # nothing trained
+
+
+def test_help_lists_config_fields(cli):
+    result = cli(["--help"])
+    assert result.returncode == 0
+    assert "--optimizer.lr (float" in result.stdout and "Peak learning rate" in result.stdout

@@ -1,0 +1,105 @@
+"""Tokenizer, packing and the data-parallel, resumable loader."""
+
+import json
+
+import numpy as np
+import pytest
+
+from dtrain.config import ConfigError, DataConfig
+from dtrain.data.loader import DataLoader, PackedTokens, build_dataset, read_documents
+from dtrain.data.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return Tokenizer("builtin:debug/tokenizer.json")
+
+
+def test_shipped_tokenizer_round_trips_and_has_bos_eos(tokenizer):
+    text = "Return the number of items in a container."
+    ids = tokenizer.encode(text, bos=True, eos=True)
+    assert ids[0] == tokenizer.bos_id and ids[-1] == tokenizer.eos_id
+    assert tokenizer.decode(ids[1:-1]) == text
+    assert tokenizer.vocab_size == 4096
+
+
+def test_tokenizer_folder_and_missing_file(tmp_path, tokenizer):
+    from dtrain.assets import ROOT
+    assert Tokenizer(ROOT / "debug").vocab_size == tokenizer.vocab_size
+    with pytest.raises(FileNotFoundError, match="set data.tokenizer"):
+        Tokenizer(tmp_path / "none.json")
+
+
+def test_documents_are_packed_with_bos_and_eos(tmp_path, tokenizer):
+    path = tmp_path / "docs.jsonl"
+    path.write_text("\n".join(json.dumps({"text": t}) for t in ["alpha beta", "gamma"]))
+    data = build_dataset(DataConfig(path=str(path)), tokenizer, seq_len=3)
+    stream = data.tokens.tolist()
+    expected = (tokenizer.encode("alpha beta", bos=True, eos=True)
+                + tokenizer.encode("gamma", bos=True, eos=True))
+    assert stream == expected
+    assert len(data) == (len(stream) - 1) // 3
+    # Consecutive windows share one token: labels of one window continue into the next.
+    assert data.window(0)[-1] == data.window(1)[0]
+
+
+def test_bad_json_line_names_file_and_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"text": "ok"}\n{oops\n')
+    with pytest.raises(ConfigError, match=r"bad.jsonl:2 is not valid JSON"):
+        list(read_documents(path, "text"))
+
+
+def test_missing_text_field_suggests_the_fields_present(tmp_path):
+    path = tmp_path / "docs.jsonl"
+    path.write_text('{"content": "x"}\n')
+    with pytest.raises(ConfigError, match="has no field 'text': set data.text_field to one of "
+                                          "content"):
+        list(read_documents(path, "text"))
+
+
+def test_too_little_data_is_a_config_error():
+    with pytest.raises(ConfigError, match="fewer than one window"):
+        PackedTokens(np.arange(5), seq_len=8)
+
+
+def windows(loader: DataLoader, n: int) -> list[list[int]]:
+    out = []
+    for _ in range(n):
+        inputs, labels = loader.next_batch()
+        assert inputs.shape == labels.shape
+        assert np.array_equal(inputs[:, 1:].numpy(), labels[:, :-1].numpy())
+        out += [row[0] for row in inputs.tolist()]
+    return out
+
+
+def test_ranks_split_each_step_without_overlap_or_loss():
+    data = PackedTokens(np.arange(10_001), seq_len=10)  # window i starts with token 10 i
+    single = DataLoader(data, micro_batch=4, seed=1)
+    reference = windows(single, 6)  # 6 micro-batches of 4 = 3 steps of 8 at accum 2
+    ranks = [DataLoader(data, micro_batch=2, dp_rank=r, dp_size=2, seed=1) for r in range(2)]
+    per_rank = [windows(loader, 6) for loader in ranks]
+    for step in range(3):
+        want = sorted(reference[8 * step: 8 * (step + 1)])
+        got = sorted(w for r in range(2) for w in per_rank[r][4 * step: 4 * (step + 1)])
+        assert got == want
+    assert not set(per_rank[0]) & set(per_rank[1])
+
+
+def test_every_window_once_per_epoch_and_reshuffled_next_epoch():
+    data = PackedTokens(np.arange(201), seq_len=10)  # 20 windows
+    loader = DataLoader(data, micro_batch=5, seed=0)
+    first, second = windows(loader, 4), windows(loader, 4)
+    assert sorted(first) == sorted(second) == list(range(0, 200, 10))
+    assert first != second
+
+
+def test_resume_from_state_dict_continues_the_same_sequence():
+    data = PackedTokens(np.arange(1001), seq_len=10)
+    loader = DataLoader(data, micro_batch=3, seed=7)
+    windows(loader, 5)
+    state = loader.state_dict()
+    rest = windows(loader, 5)
+    resumed = DataLoader(data, micro_batch=3, seed=0)
+    resumed.load_state_dict(state)
+    assert windows(resumed, 5) == rest

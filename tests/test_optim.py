@@ -1,0 +1,83 @@
+"""Learning-rate schedules at chosen steps, AdamW groups, gradient clipping."""
+
+import math
+
+import pytest
+import torch
+
+from dtrain.config import LRScheduleConfig, OptimizerConfig
+from dtrain.models import build
+from dtrain.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, lr_factor
+
+PEAK = 1e-3
+
+
+def factors(cfg: LRScheduleConfig, total: int) -> dict[int, float]:
+    return {s: lr_factor(s, cfg, total, PEAK) for s in range(1, total + 1)}
+
+
+def test_linear_warmup_then_cosine_to_min_lr():
+    cfg = LRScheduleConfig(warmup_steps=10, decay="cosine", min_lr=1e-4)
+    f = factors(cfg, 110)
+    assert f[1] == pytest.approx(0.1) and f[5] == pytest.approx(0.5) and f[10] == 1.0
+    assert f[60] == pytest.approx(0.1 + 0.9 * 0.5)  # half way through the decay
+    assert f[35] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.25)))
+    assert f[110] == pytest.approx(0.1)
+
+
+def test_linear_decay():
+    f = factors(LRScheduleConfig(warmup_steps=0, decay="linear", min_lr=0.0), 100)
+    assert f[1] == pytest.approx(0.99) and f[50] == pytest.approx(0.5) and f[100] == 0.0
+
+
+def test_constant_after_warmup():
+    f = factors(LRScheduleConfig(warmup_steps=4, decay="constant", min_lr=1e-4), 50)
+    assert f[2] == 0.5 and f[4] == 1.0 and f[50] == 1.0
+
+
+@pytest.mark.parametrize("shape, at_half", [("linear", 0.5), ("cosine", 0.5),
+                                            ("sqrt", 1 - math.sqrt(0.5))])
+def test_wsd_holds_then_decays_over_last_fraction(shape, at_half):
+    cfg = LRScheduleConfig(warmup_steps=10, decay="wsd", min_lr=0.0, wsd_decay_fraction=0.2,
+                           wsd_decay_shape=shape)
+    f = factors(cfg, 100)
+    assert f[10] == 1.0 and f[50] == 1.0 and f[80] == 1.0
+    assert f[90] == pytest.approx(at_half)
+    assert f[100] == pytest.approx(0.0)
+
+
+def test_scheduler_applies_factor_of_the_step_being_taken():
+    param = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([param], lr=PEAK)
+    sched = build_lr_scheduler(opt, LRScheduleConfig(warmup_steps=4, decay="constant"), 10, PEAK)
+    seen = []
+    for _ in range(5):
+        seen.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert seen == pytest.approx([PEAK * f for f in (0.25, 0.5, 0.75, 1.0, 1.0)])
+
+
+def test_weight_decay_only_on_matrices():
+    model = build("llama3_debug", device="cpu", seed=0)
+    opt = build_optimizer(model, OptimizerConfig(weight_decay=0.1), "cpu")
+    decayed, plain = opt.param_groups
+    assert all(p.ndim == 2 for p in decayed["params"]) and decayed["weight_decay"] == 0.1
+    assert all(p.ndim == 1 for p in plain["params"]) and plain["weight_decay"] == 0.0
+    assert len(decayed["params"]) + len(plain["params"]) == len(list(model.parameters()))
+
+
+def test_clip_grad_norm_returns_total_norm_and_scales_to_max():
+    a, b = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(4))
+    a.grad, b.grad = torch.tensor([3.0, 0.0, 0.0]), torch.tensor([0.0, 4.0, 0.0, 0.0])
+    norm = clip_grad_norm_([a, b], max_norm=1.0)
+    assert norm.item() == pytest.approx(5.0)
+    total = torch.cat([a.grad, b.grad]).norm()
+    assert total.item() == pytest.approx(1.0, rel=1e-5)
+
+
+def test_clip_disabled_with_zero_max_norm():
+    a = torch.nn.Parameter(torch.zeros(2))
+    a.grad = torch.tensor([30.0, 40.0])
+    assert clip_grad_norm_([a], max_norm=0.0).item() == pytest.approx(50.0)
+    assert torch.equal(a.grad, torch.tensor([30.0, 40.0]))

@@ -1,0 +1,87 @@
+"""Throughput benchmark: trains a recipe for a few steps and reports steady-state figures.
+
+    python tools/bench.py --recipe llama3_1b --steps 30 --warmup 10 [--section.key value ...]
+    torchrun --nproc_per_node=2 tools/bench.py --recipe llama3_8b ...
+
+Steps are timed in intervals of ``--log-every`` (one device sync per interval); intervals that
+start within the first ``--warmup`` steps (compilation, allocator growth) are left out. The summary
+gives the median interval's tokens/s per device, TFLOP/s, MFU and peak memory (allocated and
+reserved), as a JSON line and as a row for docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from dtrain import Trainer, load_config  # noqa: E402
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, cwd=Path(__file__).parent).stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def hardware(device: torch.device, world_size: int) -> str:
+    if device.type == "cuda":
+        return f"{world_size}x {torch.cuda.get_device_name(device)}, torch {torch.__version__}"
+    return f"{world_size}x CPU ({os.cpu_count()} cores), torch {torch.__version__}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--recipe", required=True)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=10, help="steps left out of the figures")
+    parser.add_argument("--label", default="", help="name of this configuration in the table")
+    parser.add_argument("--log-every", type=int, default=5,
+                        help="steps per timing interval (each interval ends in one device sync)")
+    args, overrides = parser.parse_known_args()
+    if args.steps <= args.warmup:
+        parser.error("--steps must exceed --warmup")
+    overrides += ["--training.steps", str(args.steps), "--metrics.log_every", str(args.log_every),
+                  "--metrics.tensorboard", "false"]
+    trainer = Trainer(load_config(args.recipe, overrides))
+    history = trainer.train()
+    steady = [r for r in history if r["step"] > args.warmup + args.log_every - 1]
+    median = statistics.median(r["step_time_s"] for r in steady)
+    tokens = trainer.global_batch * trainer.config.training.seq_len
+    tps = tokens / median / trainer.world_size
+    summary = {
+        "label": args.label or args.recipe,
+        "tokens_per_second_per_device": round(tps),
+        "tflops_per_device": round(tps * trainer.flops_per_token / 1e12, 1),
+        "mfu_percent": (round(100 * tps * trainer.flops_per_token / 1e12 / trainer.peak_tflops, 1)
+                        if trainer.peak_tflops else None),
+        "step_time_s": round(median, 4),
+        "peak_memory_gib": round(max(r["peak_memory_gib"] for r in history), 1),
+        "peak_reserved_gib": round(max(r.get("peak_reserved_gib", 0.0) for r in history), 1),
+        "final_loss": round(history[-1]["loss"], 4),
+        "commit": commit(),
+        "hardware": hardware(trainer.device, trainer.world_size),
+        "command": " ".join(["tools/bench.py", *sys.argv[1:]]),
+    }
+    if trainer.rank == 0:
+        print("BENCH " + json.dumps(summary), flush=True)
+        mfu = f"{summary['mfu_percent']}%" if summary["mfu_percent"] is not None else "-"
+        print(f"| {summary['label']} | {summary['tokens_per_second_per_device']:,} | "
+              f"{summary['tflops_per_device']} | {mfu} | {summary['peak_memory_gib']} GiB "
+              f"({summary['peak_reserved_gib']} GiB reserved) |",
+              flush=True)
+    trainer.close()
+
+
+if __name__ == "__main__":
+    main()
