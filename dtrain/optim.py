@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from dtrain.config import LRScheduleConfig, OptimizerConfig
 
@@ -61,13 +64,30 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: LRScheduleConfig,
         optimizer, lambda n: lr_factor(n + 1, cfg, total_steps, peak_lr))
 
 
+def grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """L2 norm of the full, unsharded gradients: local sums of squares, summed over the mesh
+    dimensions each DTensor is sharded on (replicated dimensions hold copies and are not)."""
+    groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+    for g in grads:
+        key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
+        groups[key].append(g.to_local() if isinstance(g, DTensor) else g)
+    total = None
+    for key, tensors in groups.items():
+        squares = torch.stack([t.float().pow(2).sum() for t in tensors]).sum()
+        if key is not None:
+            mesh, placements = key
+            for dim, placement in enumerate(placements):
+                if placement.is_shard() or placement.is_partial():
+                    dist.all_reduce(squares, group=mesh.get_group(dim))
+        total = squares if total is None else total + squares
+    return total.sqrt()
+
+
 def clip_grad_norm_(parameters: list[nn.Parameter], max_norm: float) -> torch.Tensor:
-    """Global L2 norm of all gradients (the norm of the full, unsharded gradient when they are
-    DTensors) and, if ``max_norm > 0``, scales them so the norm is at most ``max_norm``."""
+    """Global L2 norm of all gradients (see ``grad_norm``) and, if ``max_norm > 0``, scales
+    them so the norm is at most ``max_norm``."""
     grads = [p.grad for p in parameters if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-    if hasattr(norm, "full_tensor"):  # DTensor: reduce the partial norms across the mesh
-        norm = norm.full_tensor()
+    norm = grad_norm(grads)
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm)
     return norm

@@ -27,6 +27,9 @@ from dtrain import Trainer, load_config  # noqa: E402
 
 
 def commit() -> str:
+    """The checkout's commit; DTRAIN_COMMIT where the tree travels without .git."""
+    if os.environ.get("DTRAIN_COMMIT"):
+        return os.environ["DTRAIN_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, cwd=Path(__file__).parent).stdout.strip() or "unknown"
