@@ -160,10 +160,13 @@ class MetricsConfig:
 
 @dataclass
 class ActivationCheckpointConfig:
-    mode: Literal["none", "full", "selective"] = "none"
-    """none, full (every block), or selective (every Nth block)."""
+    mode: Literal["none", "full", "layer", "op"] = "none"
+    """none; full (recompute every block); layer (checkpoint every Nth block); op (selective by
+    operator: keep attention and matmul outputs, recompute the cheap rest)."""
     every_n_layers: int = 2
-    """For selective: checkpoint every this many blocks."""
+    """For mode = "layer": checkpoint every this many blocks."""
+    op_recompute_every_second_mm: bool = True
+    """For mode = "op": recompute every second matmul too (less memory for a little compute)."""
 
 
 @dataclass

@@ -102,7 +102,8 @@ class Trainer:
 
         tcfg = cfg.training
         self.tokenizer = Tokenizer(cfg.data.tokenizer)
-        dp_rank = self.mesh["dp"].get_local_rank() if self.mesh is not None else 0
+        dp_mesh = self.dims.mesh("dp")
+        dp_rank = dp_mesh.get_local_rank() if dp_mesh is not None else 0
         self.loader = DataLoader(build_dataset(cfg.data, self.tokenizer, tcfg.seq_len),
                                  tcfg.micro_batch_size, dp_rank, self.dims.dp, tcfg.seed)
 
@@ -155,8 +156,8 @@ class Trainer:
 
     def _reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
         """Sum over the ranks that hold different data."""
-        if self.mesh is not None and self.dims.dp > 1:
-            dist.all_reduce(value, group=self.mesh["dp_cp"].get_group())
+        if (mesh := self.dims.mesh("dp_cp")) is not None and mesh.size() > 1:
+            dist.all_reduce(value, group=mesh.get_group())
         return value
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor, float]:

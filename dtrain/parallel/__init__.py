@@ -26,6 +26,6 @@ def parallelize(model: Transformer, dims: ParallelDims, mesh: DeviceMesh | None,
         apply_compile(model)
     if mesh is not None and dims.fsdp_enabled:
         reduce_dtype = torch.float32 if parallel.fsdp_reduce_dtype == "fp32" else torch.bfloat16
-        apply_fsdp(model, dims.fsdp_mesh(mesh), param_dtype, reduce_dtype,
+        apply_fsdp(model, dims.fsdp_mesh(), param_dtype, reduce_dtype,
                    parallel.fsdp_reshard_after_forward, parallel.fsdp_cpu_offload)
     return model

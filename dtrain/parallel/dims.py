@@ -7,7 +7,7 @@ built). Flattened submeshes: ``dp`` (dp_replicate x dp_shard: data loading), ``d
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -17,8 +17,10 @@ from dtrain.config import ConfigError, ParallelConfig
 IMPLEMENTED = ("dp_replicate", "dp_shard")
 
 
-@dataclass(frozen=True)
+@dataclass
 class ParallelDims:
+    """The degrees of one run and, after ``build_mesh``, its meshes: ``dims.mesh("dp")`` etc."""
+
     dp_replicate: int
     dp_shard: int
     cp: int
@@ -26,6 +28,7 @@ class ParallelDims:
     pp: int
     ep: int
     world_size: int
+    _meshes: dict[str, DeviceMesh] = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_config(cls, cfg: ParallelConfig, world_size: int) -> ParallelDims:
@@ -67,24 +70,33 @@ class ParallelDims:
         """Whether parameters need data-parallel sharding or gradient synchronisation."""
         return self.dp_replicate * self.dp_shard * self.cp > 1
 
-    def fsdp_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
-        """The mesh FSDP works on: 2-D (replicate, shard) for HSDP, else 1-D. Replicas without
-        sharding are treated as FSDP over the replicas (same gradients, less memory)."""
-        if self.dp_replicate > 1 and self.dp_shard * self.cp > 1:
-            return mesh["dp_replicate", "dp_shard_cp"]
-        return mesh["dp_replicate"] if self.dp_replicate > 1 else mesh["dp_shard_cp"]
-
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        """The world mesh with its named and flattened submeshes (needs an initialised
-        process group of ``world_size`` ranks)."""
+        """Builds the world mesh (dimensions > 1 only) and its flattened submeshes, kept for
+        ``mesh(name)``. Needs an initialised process group of ``world_size`` ranks."""
         names = [n for n in ("pp", "dp_replicate", "dp_shard", "cp", "tp")
                  if getattr(self, n) > 1] or ["dp_shard"]
-        mesh = init_device_mesh(device_type, tuple(getattr(self, n) for n in names),
-                                mesh_dim_names=tuple(names))
+        world = init_device_mesh(device_type, tuple(getattr(self, n) for n in names),
+                                 mesh_dim_names=tuple(names))
+        self._meshes = {"world": world, **{n: world[n] for n in names}}
         for flat, parts in (("dp", ("dp_replicate", "dp_shard")),
                             ("dp_shard_cp", ("dp_shard", "cp")),
                             ("dp_cp", ("dp_replicate", "dp_shard", "cp"))):
             present = tuple(p for p in parts if p in names)
-            if present:  # a one-dimension flatten just gives that dimension a second name
-                mesh[present]._flatten(mesh_dim_name=flat)
-        return mesh
+            if len(present) == 1:
+                self._meshes[flat] = world[present[0]]
+            elif present:
+                self._meshes[flat] = world[present]._flatten(mesh_dim_name=flat)
+        return world
+
+    def mesh(self, name: str) -> DeviceMesh | None:
+        """A named or flattened submesh ("dp", "dp_shard_cp", "dp_cp", "tp", ...), or None when
+        that dimension has size 1 (or no mesh was built: a single process)."""
+        return self._meshes.get(name)
+
+    def fsdp_mesh(self) -> DeviceMesh:
+        """The mesh FSDP works on: 2-D (replicate, shard) for HSDP, else 1-D. Replicas without
+        sharding are treated as FSDP over the replicas (same gradients, less memory)."""
+        if self.dp_replicate > 1 and self.dp_shard * self.cp > 1:
+            shard = "dp_shard" if self.cp == 1 else "dp_shard_cp"
+            return self._meshes["world"]["dp_replicate", shard]
+        return self._meshes["dp_replicate" if self.dp_replicate > 1 else "dp_shard_cp"]
