@@ -62,7 +62,7 @@ def test_rope_llama31_scaling_against_direct_formula():
 def test_apply_rope_rotates_each_pair_by_position_times_frequency():
     head_dim, theta = 8, 10000.0
     x = torch.randn(1, 5, 2, head_dim, dtype=torch.float64)
-    out = apply_rope(x, rope_cache(16, head_dim, theta, None).double())
+    out = apply_rope(x, rope_cache(16, head_dim, theta, None))
     for pos in range(5):
         for i in range(head_dim // 2):
             angle = pos * theta ** (-2 * i / head_dim)
@@ -79,7 +79,7 @@ def test_gqa_attention_matches_explicit_causal_softmax():
     args = model_args("llama3_debug")
     attn = Attention(args).double()
     x = torch.randn(2, 7, args.dim, dtype=torch.float64)
-    rope = rope_cache(7, args.head_dim, args.rope_theta, None).double()
+    rope = rope_cache(7, args.head_dim, args.rope_theta, None)
     out = attn(x, rope)
     q = apply_rope((x @ attn.wq.weight.T).view(2, 7, args.n_heads, -1), rope)
     k = apply_rope((x @ attn.wk.weight.T).view(2, 7, args.kv_heads, -1), rope)

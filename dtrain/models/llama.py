@@ -78,20 +78,20 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -
 
 def rope_cache(seq_len: int, head_dim: int, theta: float,
                scaling: RopeScaling | None) -> torch.Tensor:
-    """cos and sin per position and channel pair, shape (seq_len, head_dim // 2, 2), float32."""
+    """exp(i * position * frequency) per position and channel pair, shape
+    (seq_len, head_dim // 2), complex64."""
     angles = torch.outer(torch.arange(seq_len, dtype=torch.float64),
                          rope_frequencies(head_dim, theta, scaling))
-    return torch.stack([angles.cos(), angles.sin()], dim=-1).float()
+    return torch.polar(torch.ones_like(angles), angles).to(torch.complex64)
 
 
 def apply_rope(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
     """Rotates channel pairs (2i, 2i+1) of x (batch, seq, heads, head_dim) by the cached angles
-    (Meta's interleaved layout)."""
-    pairs = x.float().unflatten(-1, (-1, 2))
-    cos, sin = cache[: x.shape[1], None, :, 0], cache[: x.shape[1], None, :, 1]
-    real = pairs[..., 0] * cos - pairs[..., 1] * sin
-    imag = pairs[..., 0] * sin + pairs[..., 1] * cos
-    return torch.stack([real, imag], dim=-1).flatten(-2).type_as(x)
+    (Meta's interleaved layout), as one complex multiply: three kernels in eager mode."""
+    real = x.to(torch.promote_types(x.dtype, torch.float32))  # bf16 rotates in fp32
+    pairs = torch.view_as_complex(real.unflatten(-1, (-1, 2)))
+    rotated = pairs * cache[: x.shape[1], None, :].to(pairs.dtype)
+    return torch.view_as_real(rotated).flatten(-2).type_as(x)
 
 
 def canonical_name(name: str) -> str:
