@@ -73,7 +73,10 @@ def grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
         groups[key].append(g.to_local() if isinstance(g, DTensor) else g)
     total = None
     for key, tensors in groups.items():
-        squares = torch.stack([t.float().pow(2).sum() for t in tensors]).sum()
+        if tensors[0].is_cuda:
+            squares = torch.stack(torch._foreach_norm(tensors, 2.0)).float().pow(2).sum()
+        else:  # the CPU norm kernel sums sequentially in fp32; pairwise sum() is exact enough
+            squares = torch.stack([t.float().pow(2).sum() for t in tensors]).sum()
         if key is not None:
             mesh, placements = key
             for dim, placement in enumerate(placements):

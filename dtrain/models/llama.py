@@ -131,8 +131,9 @@ class Attention(nn.Module):
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         repeat = q.shape[2] // k.shape[2]
         if repeat > 1:  # grouped-query attention: each KV head serves `repeat` query heads
-            k = k.repeat_interleave(repeat, dim=2)
-            v = v.repeat_interleave(repeat, dim=2)
+            # expand + reshape, not repeat_interleave: its backward is a sum, not a scatter-add
+            k = k.unsqueeze(3).expand(-1, -1, -1, repeat, -1).flatten(2, 3)
+            v = v.unsqueeze(3).expand(-1, -1, -1, repeat, -1).flatten(2, 3)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         cuda = x.is_cuda
         with sdpa_kernel(self.backends, set_priority=True) if cuda else contextlib.nullcontext():
