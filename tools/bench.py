@@ -17,6 +17,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -43,12 +44,42 @@ def hardware(device: torch.device, world_size: int) -> str:
     return f"{world_size}x CPU ({os.cpu_count()} cores), torch {torch.__version__}"
 
 
+def profile_steps(trainer: Trainer, steps: int) -> None:
+    """Profiles ``steps`` further training steps; rank 0 prints where device time goes and the
+    share of wall time the device was busy, and saves ``profile_rank0.json`` (Chrome trace)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + (
+        [ProfilerActivity.CUDA] if trainer.device.type == "cuda" else [])
+    sync = torch.cuda.synchronize if trainer.device.type == "cuda" else (lambda: None)
+    sync()
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            trainer.train_step()
+        sync()
+        wall = time.perf_counter() - start
+    if trainer.rank != 0:
+        return
+    events = prof.key_averages()
+    sort = "self_device_time_total" if trainer.device.type == "cuda" else "self_cpu_time_total"
+    print(events.table(sort_by=sort, row_limit=30, max_name_column_width=70), flush=True)
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy = sum(e.self_device_time_total for e in kernels) / 1e6
+    print(f"PROFILE {steps} steps: wall {wall:.3f}s, device kernels {busy:.3f}s "
+          f"({100 * busy / wall:.1f}% of wall)", flush=True)
+    prof.export_chrome_trace(str(trainer.run_dir / "profile_rank0.json"))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", required=True)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=10, help="steps left out of the figures")
     parser.add_argument("--label", default="", help="name of this configuration in the table")
+    parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                        help="after the run, profile this many more steps: rank 0 prints the "
+                             "top device kernels and writes a Chrome trace to the run folder")
     parser.add_argument("--log-every", type=int, default=5,
                         help="steps per timing interval (each interval ends in one device sync)")
     args, overrides = parser.parse_known_args()
@@ -76,6 +107,8 @@ def main() -> None:
         "hardware": hardware(trainer.device, trainer.world_size),
         "command": " ".join(["tools/bench.py", *sys.argv[1:]]),
     }
+    if args.profile:
+        profile_steps(trainer, args.profile)
     if trainer.rank == 0:
         print("BENCH " + json.dumps(summary), flush=True)
         mfu = f"{summary['mfu_percent']}%" if summary["mfu_percent"] is not None else "-"
