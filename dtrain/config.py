@@ -126,14 +126,31 @@ class LRScheduleConfig:
 
 @dataclass
 class DataConfig:
-    source: Literal["text"] = "text"
-    """Data source: text reads JSON-lines or plain text files and packs them."""
+    source: Literal["text", "hf", "indexed"] = "text"
+    """text: one JSON-lines or text file, tokenized up front (small data); hf: HF datasets,
+    streamed and tokenized on the fly (local JSON/JSONL/Parquet/text or a dataset name);
+    indexed: Megatron-LM .bin/.idx prefixes, optionally a weighted blend."""
     path: str = "builtin:debug/corpus.jsonl"
-    """File to read; ``builtin:`` names a file shipped inside dtrain's assets."""
+    """text/hf: a file, folder or dataset name (``builtin:`` names a file shipped with dtrain);
+    indexed: a prefix, or a Megatron-style blend "0.3 /data/a_text_document 0.7 /data/b"."""
     text_field: str = "text"
-    """JSON key that holds the document text."""
+    """Field that holds the document text (text and hf sources)."""
     tokenizer: str = "builtin:debug/tokenizer.json"
     """HF tokenizer.json (or a folder holding one); BOS/EOS come from tokenizer_config.json."""
+    bos_token: str = ""
+    """BOS token text, overriding tokenizer_config.json ("" keeps it)."""
+    eos_token: str = ""
+    """EOS token text, overriding tokenizer_config.json ("" keeps it)."""
+    vocab_size_divisible_by: int = 128
+    """Pad the model's vocabulary to a multiple of this times the tensor-parallel degree."""
+    hf_config: str = ""
+    """hf source: the dataset's configuration name, if it has several."""
+    hf_split: str = "train"
+    """hf source: the dataset split to read."""
+    split: str = "969,30,1"
+    """indexed source: train/valid/test document split weights, as Megatron's --split."""
+    index_cache: str = ""
+    """indexed source: folder for the cached sample indices ("" = beside the data)."""
 
 
 @dataclass
@@ -242,6 +259,7 @@ _RANGES: dict[tuple[str, str], tuple[typing.Callable[[Any], bool], str]] = {
     ("checkpoint", "interval"): (lambda v: v >= 1, "an integer >= 1"),
     ("checkpoint", "keep_last"): (lambda v: v >= 0, "an integer >= 0"),
     ("metrics", "log_every"): (lambda v: v >= 1, "an integer >= 1"),
+    ("data", "vocab_size_divisible_by"): (lambda v: v >= 1, "an integer >= 1"),
     ("metrics", "peak_tflops"): (lambda v: v >= 0, "a number >= 0"),
     ("activation_checkpoint", "every_n_layers"): (lambda v: v >= 1, "an integer >= 1"),
 }

@@ -20,8 +20,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from dtrain.config import Config, ConfigError, TrainingConfig, help_text, load_config
-from dtrain.data.loader import DataLoader, build_dataset
-from dtrain.data.tokenizer import Tokenizer
+from dtrain.data.loader import build_loader
+from dtrain.data.tokenizer import Tokenizer, padded_vocab_size
 from dtrain.metrics import (
     MetricsLogger,
     mfu,
@@ -101,19 +101,21 @@ class Trainer:
             torch.use_deterministic_algorithms(True)
 
         tcfg = cfg.training
-        self.tokenizer = Tokenizer(cfg.data.tokenizer)
+        self.tokenizer = Tokenizer(cfg.data.tokenizer, bos=cfg.data.bos_token or None,
+                                   eos=cfg.data.eos_token or None)
         dp_mesh = self.dims.mesh("dp")
         dp_rank = dp_mesh.get_local_rank() if dp_mesh is not None else 0
-        self.loader = DataLoader(build_dataset(cfg.data, self.tokenizer, tcfg.seq_len),
-                                 tcfg.micro_batch_size, dp_rank, self.dims.dp, tcfg.seed)
+        self.loader = build_loader(cfg.data, self.tokenizer, tcfg.seq_len,
+                                   tcfg.micro_batch_size, dp_rank, self.dims.dp, tcfg.seed,
+                                   num_samples=tcfg.steps * self.global_batch)
 
         args = model_args(cfg.model.name, n_layers=cfg.model.n_layers,
                           vocab_size=cfg.model.vocab_size,
                           attention_backend=cfg.model.attention_backend)
-        if self.tokenizer.vocab_size > args.vocab_size:
-            raise ConfigError(f"the tokenizer has {self.tokenizer.vocab_size} tokens but model "
-                              f"'{cfg.model.name}' has a vocabulary of {args.vocab_size}: set "
-                              f"model.vocab_size >= {self.tokenizer.vocab_size}")
+        # The embedding and output rows: at least the tokenizer's, padded so they split
+        # evenly over tensor-parallel ranks; labels never use the padding rows.
+        args.vocab_size = padded_vocab_size(max(args.vocab_size, self.tokenizer.vocab_size),
+                                            cfg.data.vocab_size_divisible_by * self.dims.tp)
         if tcfg.seq_len > args.max_seq_len:
             raise ConfigError(f"training.seq_len = {tcfg.seq_len} exceeds the model's "
                               f"max_seq_len {args.max_seq_len}: use a shorter sequence")

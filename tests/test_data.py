@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from dtrain.config import ConfigError, DataConfig
-from dtrain.data.loader import DataLoader, PackedTokens, build_dataset, read_documents
+from dtrain.data.loader import DataLoader, PackedTokens, build_text_dataset, read_documents
 from dtrain.data.tokenizer import Tokenizer
 
 
@@ -33,7 +33,7 @@ def test_tokenizer_folder_and_missing_file(tmp_path, tokenizer):
 def test_documents_are_packed_with_bos_and_eos(tmp_path, tokenizer):
     path = tmp_path / "docs.jsonl"
     path.write_text("\n".join(json.dumps({"text": t}) for t in ["alpha beta", "gamma"]))
-    data = build_dataset(DataConfig(path=str(path)), tokenizer, seq_len=3)
+    data = build_text_dataset(DataConfig(path=str(path)), tokenizer, seq_len=3)
     stream = data.tokens.tolist()
     expected = (tokenizer.encode("alpha beta", bos=True, eos=True)
                 + tokenizer.encode("gamma", bos=True, eos=True))

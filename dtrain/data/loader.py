@@ -1,11 +1,14 @@
-"""Packed token windows and the resumable, data-parallel-sharded loader.
+"""Packed token windows and the resumable, data-parallel-sharded loaders; ``build_loader`` picks
+the recipe's source (text, hf or indexed).
 
-Documents are tokenized as ``BOS text EOS``, joined into one stream and cut into windows of
-``seq_len + 1`` tokens (inputs are the first ``seq_len``, labels the last ``seq_len``; consecutive
-windows share one token). The window order is a seeded permutation per epoch, fixed for all
-ranks; data-parallel rank ``r`` of ``n`` takes its micro-batch from each consecutive block of
-``n * micro_batch`` windows. So every optimizer step sees the same windows whatever the
-data-parallel degree, and no window is dropped or repeated across ranks.
+A window is ``seq_len + 1`` tokens: inputs are the first ``seq_len``, labels the last ``seq_len``.
+``DataLoader`` serves any indexable window dataset (the text source's ``PackedTokens``, where
+documents are tokenized as ``BOS text EOS`` and consecutive windows share one token, and the
+indexed source's Megatron sample index). Its window order is fixed for all ranks (a seeded
+permutation per epoch, or the dataset's own order); data-parallel rank ``r`` of ``n`` takes its
+micro-batch from each consecutive block of ``n * micro_batch`` windows. So every optimizer step
+sees the same windows whatever the data-parallel degree, and no window is dropped or repeated
+across ranks. ``StreamingLoader`` serves the hf source's rank-local stream.
 """
 
 from __future__ import annotations
@@ -72,8 +75,8 @@ def read_documents(path: Path, text_field: str) -> Iterator[str]:
             yield f.read()
 
 
-def build_dataset(cfg: DataConfig, tokenizer: Tokenizer, seq_len: int) -> WindowDataset:
-    """The recipe's data source as packed windows (the seam the full data pipeline extends)."""
+def build_text_dataset(cfg: DataConfig, tokenizer: Tokenizer, seq_len: int) -> PackedTokens:
+    """One JSON-lines or text file, tokenized up front and packed (small data)."""
     path = resolve(cfg.path)
     if not path.is_file():
         raise ConfigError(f"data.path: file {path} not found: set data.path to a .jsonl, .json "
@@ -123,3 +126,44 @@ class DataLoader:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.consumed, self.seed = int(state["consumed"]), int(state["seed"])
+
+
+class StreamingLoader:
+    """Micro-batches from a rank-local window stream (the hf source): same interface as
+    ``DataLoader``; the state is the stream's."""
+
+    def __init__(self, stream, micro_batch: int):
+        self.stream, self.micro_batch = stream, micro_batch
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = np.stack([self.stream.next_window() for _ in range(self.micro_batch)])
+        batch = torch.from_numpy(rows)
+        return batch[:, :-1], batch[:, 1:]
+
+    def state_dict(self) -> dict:
+        return self.stream.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.stream.load_state_dict(state)
+
+
+def build_loader(cfg: DataConfig, tokenizer: Tokenizer, seq_len: int, micro_batch: int,
+                 dp_rank: int, dp_size: int, seed: int, num_samples: int
+                 ) -> DataLoader | StreamingLoader:
+    """The loader for ``cfg.source``. ``num_samples`` (windows the run will take over all
+    ranks) sizes the indexed source's sample index."""
+    if cfg.source == "hf":
+        from dtrain.data.hf import HFWindowStream
+
+        return StreamingLoader(HFWindowStream(cfg, tokenizer, seq_len, dp_rank, dp_size),
+                               micro_batch)
+    if cfg.source == "indexed":
+        from dtrain.data.blend import build_gpt_dataset
+
+        dataset = build_gpt_dataset(cfg.path, seq_len, num_samples, split=cfg.split,
+                                    split_name="train", seed=seed,
+                                    cache_dir=cfg.index_cache or None)
+        # The sample index is shuffled already (Megatron's order); keep it.
+        return DataLoader(dataset, micro_batch, dp_rank, dp_size, seed, shuffle=False)
+    return DataLoader(build_text_dataset(cfg, tokenizer, seq_len), micro_batch, dp_rank,
+                      dp_size, seed)

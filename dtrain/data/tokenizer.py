@@ -8,6 +8,7 @@ from pathlib import Path
 from tokenizers import Tokenizer as HFTokenizer
 
 from dtrain.assets import resolve
+from dtrain.config import ConfigError
 
 
 class Tokenizer:
@@ -25,12 +26,18 @@ class Tokenizer:
         config = file.parent / "tokenizer_config.json"
         if config.is_file():
             special = json.loads(config.read_text())
-        self.bos_id = self._token_id(bos or _content(special.get("bos_token")))
-        self.eos_id = self._token_id(eos or _content(special.get("eos_token")))
+        self.bos_id = self._token_id(bos or _content(special.get("bos_token")), "bos")
+        self.eos_id = self._token_id(eos or _content(special.get("eos_token")), "eos")
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
 
-    def _token_id(self, token: str | None) -> int | None:
-        return None if token is None else self._tok.token_to_id(token)
+    def _token_id(self, token: str | None, which: str) -> int | None:
+        if token is None:
+            return None
+        token_id = self._tok.token_to_id(token)
+        if token_id is None:
+            raise ConfigError(f"{which} token {token!r} is not in the tokenizer's vocabulary: set "
+                             f"data.{which}_token to one of its special tokens")
+        return token_id
 
     def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
         ids = self._tok.encode(text, add_special_tokens=False).ids
@@ -46,6 +53,12 @@ class Tokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids)
+
+
+def padded_vocab_size(vocab_size: int, multiple: int) -> int:
+    """``vocab_size`` rounded up to a multiple of ``multiple`` (Megatron's
+    make-vocab-size-divisible-by x tensor-parallel degree)."""
+    return -(-vocab_size // multiple) * multiple
 
 
 def _content(token: str | dict | None) -> str | None:

@@ -1,0 +1,122 @@
+"""HF ``datasets`` source: local JSON/JSONL/Parquet/text files or a dataset name, streamed,
+sharded over the data-parallel ranks by document, tokenized on the fly and packed.
+
+Each rank reads its own share of the documents (``split_dataset_by_node``: whole shards when the
+shard count divides the ranks, else every n-th document), so no document is read by two ranks
+and none is skipped. Documents are tokenized as ``BOS text EOS``, appended to a rank-local token
+buffer and cut into windows of ``seq_len + 1`` tokens that share one token with the next. The
+state (documents consumed this epoch, the buffer, the epoch) resumes a run exactly under the same
+data-parallel degree. ``datasets`` is imported here only, when this source is used.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dtrain.assets import resolve
+from dtrain.config import ConfigError, DataConfig
+from dtrain.data.tokenizer import Tokenizer
+
+_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text",
+             ".csv": "csv", ".arrow": "arrow"}
+_TOKENIZE_BATCH = 64  # documents per tokenizer call
+
+
+def load_documents(cfg: DataConfig):
+    """A streaming HF dataset for ``cfg.path``: a file, a folder of files of one format, or a
+    dataset name (needs hub access)."""
+    import datasets
+
+    path = resolve(cfg.path)
+    if path.exists():
+        files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
+        kinds = {_BUILDERS.get(_suffix(p)) for p in files}
+        if len(kinds) != 1 or None in kinds:
+            raise ConfigError(f"data.path = {cfg.path!r}: expected files of one format among "
+                              f"{', '.join(sorted(_BUILDERS))}, found "
+                              f"{', '.join(sorted({_suffix(p) for p in files})) or 'none'}")
+        return datasets.load_dataset(kinds.pop(), data_files=[str(p) for p in files],
+                                     split="train", streaming=True)
+    try:
+        return datasets.load_dataset(cfg.path, cfg.hf_config or None, split=cfg.hf_split,
+                                     streaming=True)
+    except Exception as e:  # hub errors come in many types; the user's fix is the same
+        raise ConfigError(f"data.path = {cfg.path!r} is neither a local file nor a dataset "
+                          f"that could be loaded ({type(e).__name__}: {e}); give a local "
+                          "file or folder, or a dataset name reachable from this machine"
+                          ) from None
+
+
+def _suffix(path: Path) -> str:
+    suffixes = [s for s in path.suffixes if s != ".gz"]
+    return suffixes[-1] if suffixes else ""
+
+
+class HFWindowStream:
+    """Windows of ``seq_len + 1`` tokens from this rank's share of the documents."""
+
+    def __init__(self, cfg: DataConfig, tokenizer: Tokenizer, seq_len: int, dp_rank: int = 0,
+                 dp_size: int = 1):
+        from datasets.distributed import split_dataset_by_node
+
+        self.cfg, self.tokenizer, self.seq_len = cfg, tokenizer, seq_len
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.dataset = split_dataset_by_node(load_documents(cfg), rank=dp_rank,
+                                             world_size=dp_size)
+        self.epoch, self.documents = 0, 0  # documents consumed in this epoch
+        self.documents_read = 0  # over all epochs since construction (for inspection)
+        self.buffer: list[int] = []
+        self._texts: Iterator[str] | None = None
+
+    def _text_iterator(self) -> Iterator[str]:
+        rows = iter(self.dataset.skip(self.documents) if self.documents else self.dataset)
+        for row in rows:
+            if self.cfg.text_field not in row:
+                raise ConfigError(f"data.path = {self.cfg.path!r} has no field "
+                                  f"'{self.cfg.text_field}': set data.text_field to one of "
+                                  f"{', '.join(row)}")
+            yield row[self.cfg.text_field]
+
+    def _refill(self) -> None:
+        """Tokenizes the next documents into the buffer, starting a new epoch at the end."""
+        if self._texts is None:
+            self._texts = self._text_iterator()
+        texts = []
+        for text in self._texts:
+            texts.append(text)
+            if len(texts) == _TOKENIZE_BATCH:
+                break
+        if not texts:
+            if self.documents == 0:
+                raise ConfigError(f"data.path = {self.cfg.path!r} holds no documents for "
+                                  f"data-parallel rank {self.dp_rank} of {self.dp_size}")
+            self.epoch, self.documents, self._texts = self.epoch + 1, 0, None
+            return
+        for ids in self.tokenizer.encode_batch(texts, bos=True, eos=True):
+            self.buffer.extend(ids)
+        self.documents += len(texts)
+        self.documents_read += len(texts)
+
+    def next_window(self) -> np.ndarray:
+        while len(self.buffer) < self.seq_len + 1:
+            self._refill()
+        window = np.asarray(self.buffer[: self.seq_len + 1], dtype=np.int64)
+        del self.buffer[: self.seq_len]
+        return window
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "documents": self.documents, "buffer": list(self.buffer),
+                "dp_size": self.dp_size}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["dp_size"] != self.dp_size:
+            raise ConfigError(
+                f"the data state was saved with {state['dp_size']} data-parallel ranks and this "
+                f"run has {self.dp_size}: streamed HF data resumes only under the same degree "
+                "(indexed or text data resume under any)")
+        self.epoch, self.documents = state["epoch"], state["documents"]
+        self.buffer, self._texts = list(state["buffer"]), None
