@@ -154,6 +154,19 @@ class DataConfig:
 
 
 @dataclass
+class ValidationConfig:
+    enabled: bool = False
+    """Evaluate the loss on held-out data every ``interval`` steps and at the last step."""
+    interval: int = 100
+    """Steps between evaluations."""
+    steps: int = 10
+    """Micro-batches per rank in each evaluation (the same ones every time)."""
+    path: str = ""
+    """Held-out data in the training source's format; "" takes the indexed source's valid
+    split of data.path (text and hf sources need a path)."""
+
+
+@dataclass
 class CheckpointConfig:
     enabled: bool = False
     """Save distributed checkpoints and resume from the latest one."""
@@ -211,6 +224,7 @@ class Config:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     activation_checkpoint: ActivationCheckpointConfig = field(
@@ -257,6 +271,8 @@ _RANGES: dict[tuple[str, str], tuple[typing.Callable[[Any], bool], str]] = {
     ("lr_schedule", "min_lr"): (lambda v: v >= 0, "a number >= 0"),
     ("lr_schedule", "wsd_decay_fraction"): (lambda v: 0 <= v <= 1, "a number in [0, 1]"),
     ("checkpoint", "interval"): (lambda v: v >= 1, "an integer >= 1"),
+    ("validation", "interval"): (lambda v: v >= 1, "an integer >= 1"),
+    ("validation", "steps"): (lambda v: v >= 1, "an integer >= 1"),
     ("checkpoint", "keep_last"): (lambda v: v >= 0, "an integer >= 0"),
     ("metrics", "log_every"): (lambda v: v >= 1, "an integer >= 1"),
     ("data", "vocab_size_divisible_by"): (lambda v: v >= 1, "an integer >= 1"),

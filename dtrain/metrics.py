@@ -9,6 +9,7 @@ also for FP8 runs.
 from __future__ import annotations
 
 import json
+import math
 import resource
 import sys
 import time
@@ -106,6 +107,21 @@ class MetricsLogger:
                     self._writer.add_scalar(key, value, step)
             self._writer.flush()
         print(self.format_line(step, total_steps, record), flush=True)
+
+    def log_validation(self, step: int, loss: float) -> None:
+        """Validation loss and perplexity: console, TensorBoard (val/...) and metrics.jsonl."""
+        if not self.enabled:
+            return
+        perplexity = math.exp(min(loss, 50.0))
+        self._jsonl.write(json.dumps({"step": step, "val_loss": loss,
+                                      "val_perplexity": perplexity, "time": time.time()}) + "\n")
+        self._jsonl.flush()
+        if self._writer is not None:
+            self._writer.add_scalar("val/loss", loss, step)
+            self._writer.add_scalar("val/perplexity", perplexity, step)
+            self._writer.flush()
+        print(f"validation step {step} | loss {loss:.4f} | perplexity {perplexity:.2f}",
+              flush=True)
 
     @staticmethod
     def format_line(step: int, total_steps: int, r: dict[str, float]) -> str:

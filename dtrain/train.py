@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import sys
 import time
@@ -20,7 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from dtrain.config import Config, ConfigError, TrainingConfig, help_text, load_config
-from dtrain.data.loader import build_loader
+from dtrain.data.loader import Prefetcher, build_loader
 from dtrain.data.tokenizer import Tokenizer, padded_vocab_size
 from dtrain.metrics import (
     MetricsLogger,
@@ -105,9 +106,12 @@ class Trainer:
                                    eos=cfg.data.eos_token or None)
         dp_mesh = self.dims.mesh("dp")
         dp_rank = dp_mesh.get_local_rank() if dp_mesh is not None else 0
-        self.loader = build_loader(cfg.data, self.tokenizer, tcfg.seq_len,
-                                   tcfg.micro_batch_size, dp_rank, self.dims.dp, tcfg.seed,
-                                   num_samples=tcfg.steps * self.global_batch)
+        self.loader = Prefetcher(
+            build_loader(cfg.data, self.tokenizer, tcfg.seq_len, tcfg.micro_batch_size, dp_rank,
+                         self.dims.dp, tcfg.seed, num_samples=tcfg.steps * self.global_batch),
+            pin_memory=self.device.type == "cuda")
+        self.val_loader = self._build_val_loader(dp_rank)
+        self._val_start = self.val_loader.state_dict() if self.val_loader else None
 
         args = model_args(cfg.model.name, n_layers=cfg.model.n_layers,
                           vocab_size=cfg.model.vocab_size,
@@ -142,6 +146,7 @@ class Trainer:
                                             cfg.optimizer.lr)
         self.step = 0
         self.history: list[dict[str, float]] = []
+        self.val_history: list[dict[str, float]] = []
 
         self.run_dir = Path(cfg.job.output_dir) / cfg.job.name
         self.metrics = MetricsLogger(cfg.metrics, self.run_dir, enabled=self.rank == 0)
@@ -155,6 +160,40 @@ class Trainer:
                   f"batch {self.global_batch} x {tcfg.seq_len} tokens = micro "
                   f"{tcfg.micro_batch_size} x dp {self.dims.dp} x accum {self.grad_accum} | "
                   f"{self.compute_dtype} compute | run folder {self.run_dir}", flush=True)
+
+    def _build_val_loader(self, dp_rank: int):
+        """The validation loader: ``validation.path`` in the training source's format, or the
+        indexed source's valid split; None when validation is off."""
+        vcfg, data, tcfg = self.config.validation, self.config.data, self.config.training
+        if not vcfg.enabled:
+            return None
+        if vcfg.path:
+            data, split_name = dataclasses.replace(data, path=vcfg.path, split="1,0,0"), "train"
+        elif data.source == "indexed":
+            split_name = "valid"
+        else:
+            raise ConfigError(f"validation.enabled with data.source = '{data.source}' needs "
+                              "validation.path: set it to a held-out file")
+        samples = vcfg.steps * tcfg.micro_batch_size * self.dims.dp
+        return build_loader(data, self.tokenizer, tcfg.seq_len, tcfg.micro_batch_size, dp_rank,
+                            self.dims.dp, tcfg.seed, num_samples=samples, split_name=split_name)
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean token loss over the validation batches (the same ones at every call)."""
+        steps, seq = self.config.validation.steps, self.config.training.seq_len
+        self.val_loader.load_state_dict(self._val_start)
+        self.model.eval()
+        total = torch.zeros((), device=self.device)
+        for _ in range(steps):
+            inputs, labels = self.val_loader.next_batch()
+            ctx = torch.autocast(self.device.type, dtype=self.compute_dtype) if self.autocast \
+                else contextlib.nullcontext()
+            with ctx:
+                total += self.loss_fn(self.model(inputs.to(self.device)), labels.to(self.device))
+        self.model.train()
+        tokens = steps * self.config.training.micro_batch_size * self.dims.dp * seq
+        return (self._reduce_sum(total) / tokens).item()
 
     def _reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
         """Sum over the ranks that hold different data."""
@@ -204,6 +243,13 @@ class Trainer:
             self.step += 1
             interval_steps += 1
             data_wait += wait
+            vcfg = self.config.validation
+            if vcfg.enabled and (self.step % vcfg.interval == 0 or self.step == tcfg.steps):
+                eval_start = time.perf_counter()
+                val_loss = self.evaluate()
+                self.val_history.append({"step": self.step, "val_loss": val_loss})
+                self.metrics.log_validation(self.step, val_loss)
+                interval_start += time.perf_counter() - eval_start  # not counted as step time
             if self.step % mcfg.log_every and self.step != tcfg.steps:
                 continue
             loss_value, norm_value = loss.item(), grad_norm.item()  # waits for the device

@@ -4,9 +4,16 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from dtrain.config import ConfigError, DataConfig
-from dtrain.data.loader import DataLoader, PackedTokens, build_text_dataset, read_documents
+from dtrain.data.loader import (
+    DataLoader,
+    PackedTokens,
+    Prefetcher,
+    build_text_dataset,
+    read_documents,
+)
 from dtrain.data.tokenizer import Tokenizer
 
 
@@ -103,3 +110,60 @@ def test_resume_from_state_dict_continues_the_same_sequence():
     resumed = DataLoader(data, micro_batch=3, seed=0)
     resumed.load_state_dict(state)
     assert windows(resumed, 5) == rest
+
+
+@pytest.mark.parametrize("new_dp", [2, 4])
+def test_resume_under_the_same_or_another_data_parallel_degree(new_dp):
+    # Global batch 8 per step: 2 ranks x micro 4, or 4 ranks x micro 2, accumulation 1.
+    data = PackedTokens(np.arange(5001), seq_len=10)
+    single = DataLoader(data, micro_batch=8, seed=3)
+    reference = windows(single, 6)
+    before = [DataLoader(data, micro_batch=4, dp_rank=r, dp_size=2, seed=3) for r in range(2)]
+    for loader in before:
+        windows(loader, 2)  # two steps
+    state = before[0].state_dict()
+    assert state == before[1].state_dict()  # the cursor is global, the same on every rank
+    after = [DataLoader(data, micro_batch=8 // new_dp, dp_rank=r, dp_size=new_dp, seed=0)
+             for r in range(new_dp)]
+    for loader in after:
+        loader.load_state_dict(state)
+    per_rank = [windows(loader, 4) for loader in after]
+    for step in range(4):
+        n = 8 // new_dp
+        got = sorted(w for ranks in per_rank for w in ranks[n * step: n * (step + 1)])
+        assert got == sorted(reference[8 * (step + 2): 8 * (step + 3)])
+
+
+def test_token_ids_outside_the_vocabulary_are_refused():
+    data = PackedTokens(np.arange(101), seq_len=10)
+    loader = DataLoader(data, micro_batch=2, seed=0, vocab_size=50, source="data.path = 'x'")
+    with pytest.raises(ConfigError, match=r"data.path = 'x' holds token id \d+, outside the "
+                                          "tokenizer's vocabulary of 50"):
+        for _ in range(5):
+            loader.next_batch()
+
+
+def test_prefetcher_hands_out_the_loader_batches_and_state():
+    data = PackedTokens(np.arange(1001), seq_len=10)
+    plain = DataLoader(data, micro_batch=3, seed=5)
+    expected = [plain.next_batch()[0] for _ in range(4)]
+    prefetched = Prefetcher(DataLoader(data, micro_batch=3, seed=5), depth=2)
+    got = [prefetched.next_batch()[0] for _ in range(2)]
+    # The state is that after the batches handed out, not after those fetched ahead.
+    assert prefetched.state_dict()["consumed"] == 6
+    got += [prefetched.next_batch()[0] for _ in range(2)]
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    with pytest.raises(RuntimeError, match="before the first batch"):
+        prefetched.load_state_dict({"consumed": 0, "seed": 5})
+
+
+def test_prefetcher_resumes_from_state_and_reraises_loader_errors():
+    data = PackedTokens(np.arange(1001), seq_len=10)
+    resumed = Prefetcher(DataLoader(data, micro_batch=3, seed=5))
+    resumed.load_state_dict({"consumed": 6, "seed": 5})
+    plain = DataLoader(data, micro_batch=3, seed=5)
+    plain.load_state_dict({"consumed": 6, "seed": 5})
+    assert torch.equal(resumed.next_batch()[0], plain.next_batch()[0])
+    failing = Prefetcher(DataLoader(data, micro_batch=3, seed=5, vocab_size=10))
+    with pytest.raises(ConfigError, match="outside the tokenizer's vocabulary"):
+        failing.next_batch()

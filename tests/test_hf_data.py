@@ -94,8 +94,12 @@ def test_missing_text_field_names_the_fields(tmp_path, tokenizer, docs):
 
 
 def test_unknown_dataset_name_is_a_config_error(tokenizer, monkeypatch):
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import datasets
+    import huggingface_hub
+
+    # Offline, so the answer does not depend on (or wait for) the network.
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(ConfigError, match="neither a local file nor a dataset"):
         HFWindowStream(DataConfig(source="hf", path="no-such-org/no-such-data"), tokenizer, SEQ)
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import gzip
 import json
+import queue
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
@@ -93,8 +95,10 @@ class DataLoader:
     stopped, also under another data-parallel degree with the same global batch."""
 
     def __init__(self, dataset: WindowDataset, micro_batch: int, dp_rank: int = 0,
-                 dp_size: int = 1, seed: int = 0, shuffle: bool = True):
+                 dp_size: int = 1, seed: int = 0, shuffle: bool = True,
+                 vocab_size: int | None = None, source: str = "the data"):
         self.dataset, self.micro_batch = dataset, micro_batch
+        self.vocab_size, self.source = vocab_size, source
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.seed, self.shuffle = seed, shuffle
         self.consumed = 0  # windows taken by all ranks together
@@ -113,6 +117,7 @@ class DataLoader:
         start = self.consumed + self.dp_rank * self.micro_batch
         rows = np.stack([self.dataset.window(self._index(start + i))
                          for i in range(self.micro_batch)])
+        check_vocab(rows, self.vocab_size, self.source)
         self.consumed += self.dp_size * self.micro_batch
         batch = torch.from_numpy(rows.astype(np.int64))
         return batch[:, :-1], batch[:, 1:]
@@ -128,15 +133,68 @@ class DataLoader:
         self.consumed, self.seed = int(state["consumed"]), int(state["seed"])
 
 
+def check_vocab(rows: np.ndarray, vocab_size: int | None, source: str) -> None:
+    """Refuses token ids the model has no embedding for (data made with another tokenizer)."""
+    if vocab_size is not None and rows.size and (top := int(rows.max())) >= vocab_size:
+        raise ConfigError(f"{source} holds token id {top}, outside the tokenizer's vocabulary of "
+                          f"{vocab_size}: it was tokenized with another tokenizer; set "
+                          "data.tokenizer to that one or re-create the data with this one")
+
+
+class Prefetcher:
+    """Wraps a loader: a background thread fetches the next ``depth`` micro-batches (into pinned
+    memory when ``pin_memory``, for asynchronous copies to the GPU) while the model computes.
+    ``state_dict`` is the wrapped loader's state after the last batch handed out."""
+
+    def __init__(self, loader: DataLoader | StreamingLoader, depth: int = 2,
+                 pin_memory: bool = False):
+        self.loader, self.depth, self.pin_memory = loader, depth, pin_memory
+        self._state = loader.state_dict()
+        self._queue: queue.Queue | None = None
+
+    def _run(self) -> None:
+        while True:
+            try:
+                inputs, labels = self.loader.next_batch()
+                if self.pin_memory:
+                    inputs, labels = inputs.pin_memory(), labels.pin_memory()
+                self._queue.put((inputs, labels, self.loader.state_dict()))
+            except BaseException as e:  # handed to the training thread, which raises it
+                self._queue.put(e)
+                return
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._queue is None:  # started on first use, so load_state_dict can come first
+            self._queue = queue.Queue(maxsize=self.depth)
+            threading.Thread(target=self._run, daemon=True, name="dtrain-prefetch").start()
+        item = self._queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        inputs, labels, self._state = item
+        return inputs, labels
+
+    def state_dict(self) -> dict:
+        return self._state
+
+    def load_state_dict(self, state: dict) -> None:
+        if self._queue is not None:
+            raise RuntimeError("load the data state before the first batch is fetched")
+        self.loader.load_state_dict(state)
+        self._state = self.loader.state_dict()
+
+
 class StreamingLoader:
     """Micro-batches from a rank-local window stream (the hf source): same interface as
     ``DataLoader``; the state is the stream's."""
 
-    def __init__(self, stream, micro_batch: int):
+    def __init__(self, stream, micro_batch: int, vocab_size: int | None = None,
+                 source: str = "the data"):
         self.stream, self.micro_batch = stream, micro_batch
+        self.vocab_size, self.source = vocab_size, source
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         rows = np.stack([self.stream.next_window() for _ in range(self.micro_batch)])
+        check_vocab(rows, self.vocab_size, self.source)
         batch = torch.from_numpy(rows)
         return batch[:, :-1], batch[:, 1:]
 
@@ -148,22 +206,24 @@ class StreamingLoader:
 
 
 def build_loader(cfg: DataConfig, tokenizer: Tokenizer, seq_len: int, micro_batch: int,
-                 dp_rank: int, dp_size: int, seed: int, num_samples: int
-                 ) -> DataLoader | StreamingLoader:
+                 dp_rank: int, dp_size: int, seed: int, num_samples: int,
+                 split_name: str = "train") -> DataLoader | StreamingLoader:
     """The loader for ``cfg.source``. ``num_samples`` (windows the run will take over all
-    ranks) sizes the indexed source's sample index."""
+    ranks) sizes the indexed source's sample index; ``split_name`` picks the indexed source's
+    train, valid or test documents. Token ids are checked against the tokenizer's vocabulary."""
+    checks = {"vocab_size": tokenizer.vocab_size, "source": f"data.path = {cfg.path!r}"}
     if cfg.source == "hf":
         from dtrain.data.hf import HFWindowStream
 
         return StreamingLoader(HFWindowStream(cfg, tokenizer, seq_len, dp_rank, dp_size),
-                               micro_batch)
+                               micro_batch, **checks)
     if cfg.source == "indexed":
         from dtrain.data.blend import build_gpt_dataset
 
         dataset = build_gpt_dataset(cfg.path, seq_len, num_samples, split=cfg.split,
-                                    split_name="train", seed=seed,
+                                    split_name=split_name, seed=seed,
                                     cache_dir=cfg.index_cache or None)
         # The sample index is shuffled already (Megatron's order); keep it.
-        return DataLoader(dataset, micro_batch, dp_rank, dp_size, seed, shuffle=False)
+        return DataLoader(dataset, micro_batch, dp_rank, dp_size, seed, shuffle=False, **checks)
     return DataLoader(build_text_dataset(cfg, tokenizer, seq_len), micro_batch, dp_rank,
-                      dp_size, seed)
+                      dp_size, seed, shuffle=split_name == "train", **checks)
