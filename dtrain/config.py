@@ -67,6 +67,10 @@ class ParallelConfig:
     """Dtype of the gradient reduce-scatter under bf16 mixed precision."""
     fsdp_cpu_offload: bool = False
     """Keep sharded parameters, gradients and optimizer state in CPU memory."""
+    loss_parallel: bool = True
+    """With tp > 1: compute the cross-entropy on vocabulary-sharded logits (never gathered)."""
+    async_tp: bool = False
+    """With tp > 1 on CUDA under compile: overlap TP communication with the matmuls."""
 
 
 @dataclass

@@ -8,7 +8,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from dtrain.config import LRScheduleConfig, OptimizerConfig
 
@@ -69,6 +69,10 @@ def grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     dimensions each DTensor is sharded on (replicated dimensions hold copies and are not)."""
     groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
     for g in grads:
+        if isinstance(g, DTensor) and any(p.is_partial() for p in g.placements):
+            # Partial values are summands: squares of summands do not add up; reduce first.
+            g = g.redistribute(placements=[Replicate() if p.is_partial() else p
+                                           for p in g.placements])
         key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
         groups[key].append(g.to_local() if isinstance(g, DTensor) else g)
     total = None
@@ -80,7 +84,7 @@ def grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
         if key is not None:
             mesh, placements = key
             for dim, placement in enumerate(placements):
-                if placement.is_shard() or placement.is_partial():
+                if not placement.is_replicate():  # Shard or _StridedShard (FSDP over TP)
                     dist.all_reduce(squares, group=mesh.get_group(dim))
         total = squares if total is None else total + squares
     return total.sqrt()

@@ -19,6 +19,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from dtrain.config import Config, ConfigError, TrainingConfig, help_text, load_config
 from dtrain.data.loader import Prefetcher, build_loader
@@ -34,6 +36,7 @@ from dtrain.metrics import (
 from dtrain.models import Transformer, model_args
 from dtrain.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from dtrain.parallel import ParallelDims, parallelize
+from dtrain.parallel.tensor import check_async_tp, check_tp
 
 
 def init_distributed(device_kind: str) -> tuple[torch.device, int, int]:
@@ -82,6 +85,11 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
                            ignore_index=-100)
 
 
+def _plain(value: torch.Tensor) -> torch.Tensor:
+    """A replicated DTensor (the loss under loss parallel) as a plain tensor."""
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
 class Trainer:
     """Builds everything a run needs from ``config`` and trains with ``train()``."""
 
@@ -125,6 +133,10 @@ class Trainer:
                               f"max_seq_len {args.max_seq_len}: use a shorter sequence")
         with torch.device("meta"):
             model = Transformer(args)
+        if self.dims.tp > 1:
+            check_tp(model, self.dims.tp, tcfg.seq_len)
+            if cfg.parallel.async_tp:
+                check_async_tp(self.device.type, cfg.compile.enabled)
         self.num_params = model.num_params()
         self.flops_per_token = model_flops_per_token(model, tcfg.seq_len)
 
@@ -138,8 +150,11 @@ class Trainer:
         self.model.to_empty(device=self.device)
         self.model.init_weights(tcfg.seed, buffer_device=self.device)
         self.model.train()
-        self.loss_fn = torch.compile(cross_entropy_sum) if cfg.compile.enabled \
-            else cross_entropy_sum
+        # With loss parallel the logits are vocabulary-sharded DTensors: forward, loss and
+        # backward run under loss_parallel(), and the loss is left uncompiled.
+        self.loss_parallel = self.dims.tp > 1 and cfg.parallel.loss_parallel
+        self.loss_fn = torch.compile(cross_entropy_sum) \
+            if cfg.compile.enabled and not self.loss_parallel else cross_entropy_sum
 
         self.optimizer = build_optimizer(self.model, cfg.optimizer, self.device.type)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.lr_schedule, tcfg.steps,
@@ -187,13 +202,21 @@ class Trainer:
         total = torch.zeros((), device=self.device)
         for _ in range(steps):
             inputs, labels = self.val_loader.next_batch()
-            ctx = torch.autocast(self.device.type, dtype=self.compute_dtype) if self.autocast \
-                else contextlib.nullcontext()
-            with ctx:
-                total += self.loss_fn(self.model(inputs.to(self.device)), labels.to(self.device))
+            with self._step_context():
+                loss = self.loss_fn(self.model(inputs.to(self.device)), labels.to(self.device))
+            total += _plain(loss)
         self.model.train()
         tokens = steps * self.config.training.micro_batch_size * self.dims.dp * seq
         return (self._reduce_sum(total) / tokens).item()
+
+    def _step_context(self):
+        """Autocast (bf16 without FSDP) and loss parallel, as the run needs."""
+        stack = contextlib.ExitStack()
+        if self.autocast:
+            stack.enter_context(torch.autocast(self.device.type, dtype=self.compute_dtype))
+        if self.loss_parallel:
+            stack.enter_context(loss_parallel())
+        return stack
 
     def _reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
         """Sum over the ranks that hold different data."""
@@ -217,12 +240,10 @@ class Trainer:
             inputs = inputs.to(self.device, non_blocking=True)
             labels = labels.to(self.device, non_blocking=True)
             data_wait += time.perf_counter() - start
-            ctx = torch.autocast(self.device.type, dtype=self.compute_dtype) if self.autocast \
-                else contextlib.nullcontext()
-            with ctx:
+            with self._step_context():
                 loss = self.loss_fn(self.model(inputs), labels)
-            (loss * scale).backward()
-            loss_sum += loss.detach()
+                (loss * scale).backward()
+            loss_sum += _plain(loss.detach())
         grad_norm = clip_grad_norm_(list(self.model.parameters()), tcfg.max_norm)
         self.optimizer.step()
         self.scheduler.step()
@@ -272,6 +293,7 @@ class Trainer:
             self.history.append({"step": self.step, **record})
             self.metrics.log(self.step, tcfg.steps, record)
             interval_start, interval_steps, data_wait = time.perf_counter(), 0, 0.0
+        self.loader.close()
         self.metrics.close()
         return self.history
 

@@ -1,3 +1,4 @@
+import json
 import os
 import subprocess
 import sys
@@ -20,6 +21,49 @@ def run_cli(args: list[str], nproc: int = 1, timeout: float = 600) -> subprocess
                           cwd=ROOT)
 
 
+# A small, fast configuration of the debug recipe for parity tests: 8 sequences of 64 tokens
+# per step, 2 blocks, 6 steps (the clipping threshold of 1.0 is crossed, so a wrong gradient norm
+# changes the updates).
+BASE = {"model.n_layers": 2, "training.seq_len": 64, "training.global_batch_size": 8,
+        "training.micro_batch_size": 1, "training.steps": 6, "lr_schedule.warmup_steps": 2,
+        "metrics.log_every": 1, "metrics.tensorboard": False}
+# fp32 on CPU: parallel layouts differ from the single process only in the order of sums.
+REL = 1e-5
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory):
+    """The single-process run every parallel layout is compared with."""
+    from dtrain import Trainer, load_config
+
+    out = tmp_path_factory.mktemp("ref")
+    return Trainer(load_config("debug", {**BASE, "job.output_dir": str(out)})).train()
+
+
+def assert_same_run(run: dict, reference: list[dict], label: str) -> None:
+    """Equal initial weights, and per-step losses and gradient norms within REL."""
+    assert run["init_ok"], f"{label}: initial weights differ from the single-device model"
+    assert len(run["history"]) == len(reference)
+    for ref, got in zip(reference, run["history"], strict=True):
+        assert got["loss"] == pytest.approx(ref["loss"], rel=REL), (label, ref["step"])
+        assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=REL), (label, ref["step"])
+
+
 @pytest.fixture
 def cli():
     return run_cli
+
+
+def run_distributed(tmp_path: Path, nproc: int, specs: list[dict]) -> list[dict]:
+    """Trains each override dict in ``specs`` (on the debug recipe) in one torchrun launch of
+    ``nproc`` gloo processes; returns, per spec, the logged records, whether the initial weights
+    equal the single-device model's, and the dtype of the first attention projection's output."""
+    (tmp_path / "spec.json").write_text(json.dumps(specs))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone",
+         f"--nproc_per_node={nproc}", str(ROOT / "tests" / "distributed_runner.py"),
+         str(tmp_path / "spec.json"), str(tmp_path / "out.json")],
+        capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return json.loads((tmp_path / "out.json").read_text())

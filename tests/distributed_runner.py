@@ -28,14 +28,24 @@ def initial_weights_match(trainer: Trainer) -> bool:
     return True
 
 
+def first_projection(model) -> str:
+    """The name of block 0's wq, through any compile/checkpoint wrappers."""
+    return next(name for name, _ in model.named_modules() if name.endswith("attention.wq"))
+
+
 def main() -> None:
     spec_path, out_path = sys.argv[1], sys.argv[2]
     results = []
     for overrides in json.load(open(spec_path)):
         trainer = Trainer(load_config("debug", overrides))
         init_ok = initial_weights_match(trainer)
+        dtypes = []
+        probe = trainer.model.get_submodule(first_projection(trainer.model))
+        handle = probe.register_forward_hook(lambda m, i, o, seen=dtypes: seen.append(str(o.dtype)))
         history = trainer.train()
-        results.append({"overrides": overrides, "init_ok": init_ok, "history": history})
+        handle.remove()
+        results.append({"overrides": overrides, "init_ok": init_ok, "history": history,
+                        "compute_dtype": dtypes[0]})
     if trainer.rank == 0:
         json.dump(results, open(out_path, "w"))
     trainer.close()

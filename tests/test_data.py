@@ -167,3 +167,15 @@ def test_prefetcher_resumes_from_state_and_reraises_loader_errors():
     failing = Prefetcher(DataLoader(data, micro_batch=3, seed=5, vocab_size=10))
     with pytest.raises(ConfigError, match="outside the tokenizer's vocabulary"):
         failing.next_batch()
+
+
+def test_prefetcher_close_rewinds_to_the_batches_handed_out():
+    data = PackedTokens(np.arange(1001), seq_len=10)
+    plain = DataLoader(data, micro_batch=3, seed=5)
+    expected = [plain.next_batch()[0] for _ in range(4)]
+    prefetched = Prefetcher(DataLoader(data, micro_batch=3, seed=5), depth=2)
+    first = [prefetched.next_batch()[0] for _ in range(2)]
+    prefetched.close()  # two or more batches were fetched ahead and are dropped
+    rest = [prefetched.next_batch()[0] for _ in range(2)]
+    assert all(torch.equal(a, b) for a, b in zip(first + rest, expected, strict=True))
+    prefetched.close()

@@ -2,46 +2,21 @@
 losses and gradient norms within 1e-5 relative over 6 steps, with gradient accumulation and every
 activation-checkpointing mode."""
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
-from conftest import ROOT
+from conftest import BASE, assert_same_run, run_distributed
 
 from dtrain import Trainer, load_config
 from dtrain.config import ConfigError, ParallelConfig
 from dtrain.parallel.dims import ParallelDims
 
-# A small, fast configuration of the debug recipe: 8 sequences of 64 tokens per step.
-BASE = {"model.n_layers": 2, "training.seq_len": 64, "training.global_batch_size": 8,
-        "training.micro_batch_size": 1, "training.steps": 6, "lr_schedule.warmup_steps": 2,
-        "metrics.log_every": 1, "metrics.tensorboard": False}
 AC_MODES = ["none", "full", "layer", "op"]
-# fp32 on CPU: the layouts differ only in the order of floating-point sums.
-REL = 1e-5
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ref")
-    return Trainer(load_config("debug", {**BASE, "job.output_dir": str(out)})).train()
 
 
 def run_layout(tmp_path, nproc: int, parallel: dict) -> list[dict]:
-    spec = [{**BASE, **parallel, "activation_checkpoint.mode": mode,
-             "activation_checkpoint.every_n_layers": 2, "job.name": mode,
-             "job.output_dir": str(tmp_path)} for mode in AC_MODES]
-    (tmp_path / "spec.json").write_text(json.dumps(spec))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone",
-         f"--nproc_per_node={nproc}", str(ROOT / "tests" / "distributed_runner.py"),
-         str(tmp_path / "spec.json"), str(tmp_path / "out.json")],
-        capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
-    assert result.returncode == 0, result.stderr[-4000:]
-    return json.loads((tmp_path / "out.json").read_text())
+    return run_distributed(tmp_path, nproc, [
+        {**BASE, **parallel, "activation_checkpoint.mode": mode,
+         "activation_checkpoint.every_n_layers": 2, "job.name": mode,
+         "job.output_dir": str(tmp_path)} for mode in AC_MODES])
 
 
 # Global batch 8 of micro-batches of 1: the 2-rank layout accumulates 4 micro-batches, the 4-rank
@@ -55,12 +30,7 @@ def test_layout_matches_single_process(tmp_path, reference, nproc, parallel):
     runs = run_layout(tmp_path, nproc, parallel)
     assert [r["overrides"]["activation_checkpoint.mode"] for r in runs] == AC_MODES
     for run in runs:
-        mode = run["overrides"]["activation_checkpoint.mode"]
-        assert run["init_ok"], f"{mode}: initial weights differ from the single-device model"
-        assert len(run["history"]) == len(reference) == 6
-        for ref, got in zip(reference, run["history"], strict=True):
-            assert got["loss"] == pytest.approx(ref["loss"], rel=REL), (mode, ref["step"])
-            assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=REL), (mode, ref["step"])
+        assert_same_run(run, reference, run["overrides"]["activation_checkpoint.mode"])
 
 
 def test_activation_checkpointing_single_process_is_exact(tmp_path, reference):

@@ -151,27 +151,48 @@ class Prefetcher:
         self.loader, self.depth, self.pin_memory = loader, depth, pin_memory
         self._state = loader.state_dict()
         self._queue: queue.Queue | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
     def _run(self) -> None:
-        while True:
+        while not self._stop.is_set():
             try:
                 inputs, labels = self.loader.next_batch()
                 if self.pin_memory:
                     inputs, labels = inputs.pin_memory(), labels.pin_memory()
-                self._queue.put((inputs, labels, self.loader.state_dict()))
+                item = (inputs, labels, self.loader.state_dict())
             except BaseException as e:  # handed to the training thread, which raises it
-                self._queue.put(e)
+                item = e
+            while not self._stop.is_set():
+                try:
+                    self._queue.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            if isinstance(item, BaseException):
                 return
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._queue is None:  # started on first use, so load_state_dict can come first
             self._queue = queue.Queue(maxsize=self.depth)
-            threading.Thread(target=self._run, daemon=True, name="dtrain-prefetch").start()
+            self._thread = threading.Thread(target=self._run, daemon=True,
+                                            name="dtrain-prefetch")
+            self._thread.start()
         item = self._queue.get()
         if isinstance(item, BaseException):
             raise item
         inputs, labels, self._state = item
         return inputs, labels
+
+    def close(self) -> None:
+        """Stops the background thread; batches fetched ahead are dropped and the loader is
+        rewound to the state after the last batch handed out, so fetching can start again."""
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._thread.join()
+        self._queue, self._thread, self._stop = None, None, threading.Event()
+        self.loader.load_state_dict(self._state)
 
     def state_dict(self) -> dict:
         return self._state

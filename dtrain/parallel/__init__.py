@@ -11,6 +11,7 @@ from dtrain.parallel.activation_checkpoint import apply_activation_checkpointing
 from dtrain.parallel.compile import apply_compile
 from dtrain.parallel.dims import ParallelDims
 from dtrain.parallel.fsdp import apply_fsdp
+from dtrain.parallel.tensor import apply_tp, enable_async_tp
 
 __all__ = ["ParallelDims", "parallelize"]
 
@@ -18,9 +19,14 @@ __all__ = ["ParallelDims", "parallelize"]
 def parallelize(model: Transformer, dims: ParallelDims, mesh: DeviceMesh | None,
                 parallel: ParallelConfig, ac: ActivationCheckpointConfig,
                 compile: CompileConfig, param_dtype: torch.dtype) -> Transformer:
-    """Applies, in order: activation checkpointing -> torch.compile per block -> FSDP2/HSDP.
-    ``mesh`` is None for a single process. ``param_dtype`` is the compute dtype FSDP casts to
-    (without FSDP the trainer uses autocast). Returns the same module, modified in place."""
+    """Applies, in order: tensor/sequence parallel -> activation checkpointing -> torch.compile
+    per block -> FSDP2/HSDP. ``mesh`` is None for a single process. ``param_dtype`` is the
+    compute dtype FSDP casts to (without FSDP the trainer uses autocast). Returns the same
+    module, modified in place."""
+    if dims.tp > 1:
+        apply_tp(model, dims.mesh("tp"), parallel.loss_parallel)
+        if parallel.async_tp:
+            enable_async_tp(dims.mesh("tp"))
     apply_activation_checkpointing(model, ac)
     if compile.enabled:
         apply_compile(model)

@@ -1,0 +1,92 @@
+"""Tensor parallel with sequence parallel (Megatron's --tensor-model-parallel-size with
+--sequence-parallel), through DTensor ``parallelize_module`` plans on the plain model.
+
+Between blocks the residual stream is sharded on the sequence dimension (``Shard(1)``): RMSNorm
+runs on the local tokens. Entering attention or the feed-forward, the sequence is all-gathered;
+``wq/wk/wv/w1/w3`` are column-parallel (each rank holds a slice of the heads / hidden units) and
+``wo/w2`` row-parallel, whose partial sums are reduce-scattered back onto the sequence. The
+embedding table is split by vocabulary rows; the output projection is column-parallel over the
+vocabulary and, with loss parallel, its logits stay sharded: the cross-entropy is computed on the
+vocabulary shards and full logits are never gathered.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from dtrain.config import ConfigError
+from dtrain.models.llama import Transformer
+
+
+def check_tp(model: Transformer, tp: int, seq_len: int) -> None:
+    """Raises ConfigError when the model's heads or the sequence do not split over ``tp``."""
+    args = model.args
+    for name, value in (("n_heads", args.n_heads), ("n_kv_heads", args.kv_heads),
+                        ("ffn hidden size", args.ffn_dim)):
+        if value % tp:
+            raise ConfigError(f"parallel.tp = {tp} does not divide the model's {name} ({value}): "
+                              f"use a tensor-parallel degree that divides {value}")
+    if seq_len % tp:
+        raise ConfigError(f"training.seq_len = {seq_len} is not divisible by parallel.tp = {tp} "
+                          "(sequence parallel splits the sequence): use a multiple of the degree")
+
+
+def check_async_tp(device_type: str, compiled: bool) -> None:
+    """Async TP is a torch.compile pass over CUDA symmetric memory: refuse it elsewhere."""
+    if device_type != "cuda" or not compiled:
+        raise ConfigError("parallel.async_tp = true needs CUDA GPUs and compile.enabled = true "
+                          "(it is a torch.compile pass): enable compile, or set "
+                          "parallel.async_tp = false")
+
+
+def apply_tp(model: Transformer, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
+    """Shards ``model`` in place over ``tp_mesh``. With ``loss_parallel`` the model returns
+    vocabulary-sharded logits as a DTensor (compute the loss under ``loss_parallel()``);
+    otherwise it returns full logits as a plain tensor."""
+    top: dict[str, object] = {}
+    if model.tok_embeddings is not None:
+        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(),
+                                                output_layouts=Shard(1))
+    if model.norm is not None:
+        top["norm"] = SequenceParallel()
+    if model.output is not None:
+        top["output"] = ColwiseParallel(input_layouts=Shard(1),
+                                        output_layouts=Shard(-1) if loss_parallel
+                                        else Replicate(),
+                                        use_local_output=not loss_parallel)
+    parallelize_module(model, tp_mesh, top)
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, {
+            "attention_norm": SequenceParallel(),
+            # The second input is the RoPE table, the same on every rank.
+            "attention": PrepareModuleInput(input_layouts=(Shard(1), None),
+                                            desired_input_layouts=(Replicate(), None)),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
+                                               desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            "feed_forward.w3": ColwiseParallel(),
+        })
+
+
+def enable_async_tp(tp_mesh: DeviceMesh) -> None:
+    """Micro-pipelined TP under torch.compile: the all-gathers and reduce-scatters around the
+    TP matmuls are split and overlapped with them through symmetric memory (CUDA only)."""
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    torch._inductor.config._micro_pipeline_tp = True
+    enable_symm_mem_for_group(tp_mesh.get_group().group_name)
