@@ -71,6 +71,14 @@ class ParallelConfig:
     """With tp > 1: compute the cross-entropy on vocabulary-sharded logits (never gathered)."""
     async_tp: bool = False
     """With tp > 1 on CUDA under compile: overlap TP communication with the matmuls."""
+    pp_schedule: Literal["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS",
+                         "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"] = "1F1B"
+    """Pipeline schedule (pp > 1); the interleaved ones need pp_virtual_stages > 1, the V ones 2."""
+    pp_virtual_stages: int = 1
+    """Pipeline stages per rank."""
+    pp_layout: str = ""
+    """Layers per stage, e.g. "E|t*4|t*4|L" (E embedding, t*N layers, L output; | between
+    stages); "" splits the layers evenly."""
 
 
 @dataclass
@@ -260,6 +268,7 @@ _RANGES: dict[tuple[str, str], tuple[typing.Callable[[Any], bool], str]] = {
     ("parallel", "tp"): (lambda v: v >= 1, "an integer >= 1"),
     ("parallel", "pp"): (lambda v: v >= 1, "an integer >= 1"),
     ("parallel", "ep"): (lambda v: v >= 1, "an integer >= 1"),
+    ("parallel", "pp_virtual_stages"): (lambda v: v >= 1, "an integer >= 1"),
     ("training", "steps"): (lambda v: v >= 1, "an integer >= 1"),
     ("training", "seq_len"): (lambda v: v >= 2, "an integer >= 2"),
     ("training", "global_batch_size"): (lambda v: v >= 0, "an integer >= 0"),

@@ -13,10 +13,12 @@ from torch.distributed.tensor import DTensor, Replicate
 from dtrain.config import LRScheduleConfig, OptimizerConfig
 
 
-def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device_type: str
+def build_optimizer(model: nn.Module | list[nn.Module], cfg: OptimizerConfig, device_type: str
                     ) -> torch.optim.Optimizer:
-    """AdamW with weight decay on matrices only (norm weights are not decayed)."""
-    params = [p for p in model.parameters() if p.requires_grad]
+    """AdamW over the module's (or the pipeline stages') parameters, with weight decay on
+    matrices only (norm weights are not decayed)."""
+    modules = model if isinstance(model, list) else [model]
+    params = [p for m in modules for p in m.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
     impl = cfg.implementation
@@ -64,9 +66,10 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: LRScheduleConfig,
         optimizer, lambda n: lr_factor(n + 1, cfg, total_steps, peak_lr))
 
 
-def grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+def grad_norm(grads: list[torch.Tensor], pp_group=None) -> torch.Tensor:
     """L2 norm of the full, unsharded gradients: local sums of squares, summed over the mesh
-    dimensions each DTensor is sharded on (replicated dimensions hold copies and are not)."""
+    dimensions each DTensor is sharded on (replicated dimensions hold copies and are not), and
+    over ``pp_group`` (pipeline stages hold different parameters)."""
     groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
     for g in grads:
         if isinstance(g, DTensor) and any(p.is_partial() for p in g.placements):
@@ -87,14 +90,19 @@ def grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
                 if not placement.is_replicate():  # Shard or _StridedShard (FSDP over TP)
                     dist.all_reduce(squares, group=mesh.get_group(dim))
         total = squares if total is None else total + squares
+    if total is None:  # a stage without gradients contributes nothing
+        total = torch.zeros(())
+    if pp_group is not None:
+        dist.all_reduce(total, group=pp_group)
     return total.sqrt()
 
 
-def clip_grad_norm_(parameters: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+def clip_grad_norm_(parameters: list[nn.Parameter], max_norm: float, pp_group=None
+                    ) -> torch.Tensor:
     """Global L2 norm of all gradients (see ``grad_norm``) and, if ``max_norm > 0``, scales
     them so the norm is at most ``max_norm``."""
     grads = [p.grad for p in parameters if p.grad is not None]
-    norm = grad_norm(grads)
+    norm = grad_norm(grads, pp_group)
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm)
     return norm

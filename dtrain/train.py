@@ -36,6 +36,14 @@ from dtrain.metrics import (
 from dtrain.models import Transformer, model_args
 from dtrain.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from dtrain.parallel import ParallelDims, parallelize
+from dtrain.parallel.pipeline import (
+    Pipeline,
+    check_pipeline,
+    ideal_bubble,
+    parse_layout,
+    split_model,
+    stages_of_rank,
+)
 from dtrain.parallel.tensor import check_async_tp, check_tp
 
 
@@ -140,23 +148,47 @@ class Trainer:
         self.num_params = model.num_params()
         self.flops_per_token = model_flops_per_token(model, tcfg.seq_len)
 
+        parts, stage_indices, num_stages = [model], [0], 1
+        if self.dims.pp > 1:
+            pcfg = cfg.parallel
+            if cfg.validation.enabled:
+                raise ConfigError("validation.enabled with parallel.pp > 1 is not available in "
+                                  "this version: set validation.enabled = false")
+            check_pipeline(pcfg.pp_schedule, self.dims.pp, pcfg.pp_virtual_stages,
+                           self.grad_accum)
+            num_stages = self.dims.pp * pcfg.pp_virtual_stages
+            specs = parse_layout(pcfg.pp_layout, args.n_layers, num_stages)
+            stage_indices = stages_of_rank(self.dims.mesh("pp").get_local_rank(), self.dims.pp,
+                                           pcfg.pp_virtual_stages, pcfg.pp_schedule)
+            parts = split_model(model, specs, stage_indices)
+
         bf16 = tcfg.mixed_precision == "bf16" or (
             tcfg.mixed_precision == "auto" and self.device.type == "cuda")
         self.compute_dtype = torch.bfloat16 if bf16 else torch.float32
-        self.model = parallelize(model, self.dims, self.mesh, cfg.parallel,
-                                 cfg.activation_checkpoint, cfg.compile, self.compute_dtype)
+        # Each pipeline stage (or the whole model) is parallelized and initialised alike.
+        self.model_parts = [parallelize(part, self.dims, self.mesh, cfg.parallel,
+                                        cfg.activation_checkpoint, cfg.compile,
+                                        self.compute_dtype) for part in parts]
         # FSDP casts parameters itself; without it, autocast gives bf16 compute on fp32 weights.
         self.autocast = bf16 and not (self.mesh is not None and self.dims.fsdp_enabled)
-        self.model.to_empty(device=self.device)
-        self.model.init_weights(tcfg.seed, buffer_device=self.device)
-        self.model.train()
+        for part in self.model_parts:
+            part.to_empty(device=self.device)
+            part.init_weights(tcfg.seed, buffer_device=self.device)
+            part.train()
+        self.model = self.model_parts[0]
         # With loss parallel the logits are vocabulary-sharded DTensors: forward, loss and
         # backward run under loss_parallel(), and the loss is left uncompiled.
         self.loss_parallel = self.dims.tp > 1 and cfg.parallel.loss_parallel
         self.loss_fn = torch.compile(cross_entropy_sum) \
             if cfg.compile.enabled and not self.loss_parallel else cross_entropy_sum
 
-        self.optimizer = build_optimizer(self.model, cfg.optimizer, self.device.type)
+        self.pipeline = None
+        if self.dims.pp > 1:
+            self.pipeline = Pipeline(
+                self.model_parts, stage_indices, num_stages, cfg.parallel.pp_schedule,
+                self.grad_accum, self.dims.mesh("pp"), self.device, self.loss_fn,
+                loss_scale=self.dims.dp / (self.global_batch * tcfg.seq_len))
+        self.optimizer = build_optimizer(self.model_parts, cfg.optimizer, self.device.type)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.lr_schedule, tcfg.steps,
                                             cfg.optimizer.lr)
         self.step = 0
@@ -175,6 +207,14 @@ class Trainer:
                   f"batch {self.global_batch} x {tcfg.seq_len} tokens = micro "
                   f"{tcfg.micro_batch_size} x dp {self.dims.dp} x accum {self.grad_accum} | "
                   f"{self.compute_dtype} compute | run folder {self.run_dir}", flush=True)
+            if self.pipeline is not None:
+                pcfg = cfg.parallel
+                bubble = ideal_bubble(pcfg.pp_schedule, self.dims.pp, pcfg.pp_virtual_stages,
+                                      self.grad_accum)
+                print(f"pipeline: {pcfg.pp_schedule}, pp {self.dims.pp} x "
+                      f"{pcfg.pp_virtual_stages} stages per rank, {self.grad_accum} "
+                      f"microbatches: ideal bubble {100 * bubble:.1f}% of compute time",
+                      flush=True)
 
     def _build_val_loader(self, dp_rank: int):
         """The validation loader: ``validation.path`` in the training source's format, or the
@@ -198,7 +238,7 @@ class Trainer:
         """Mean token loss over the validation batches (the same ones at every call)."""
         steps, seq = self.config.validation.steps, self.config.training.seq_len
         self.val_loader.load_state_dict(self._val_start)
-        self.model.eval()
+        self.model.eval()  # validation runs without pipeline parallel (refused at start-up)
         total = torch.zeros((), device=self.device)
         for _ in range(steps):
             inputs, labels = self.val_loader.next_batch()
@@ -234,7 +274,17 @@ class Trainer:
         scale = self.dims.dp / tokens
         loss_sum = torch.zeros((), device=self.device)
         data_wait = 0.0
-        for _ in range(self.grad_accum):
+        if self.pipeline is not None:
+            start = time.perf_counter()
+            batches = [self.loader.next_batch() for _ in range(self.grad_accum)]
+            inputs = torch.cat([b[0] for b in batches]).to(self.device, non_blocking=True)
+            labels = torch.cat([b[1] for b in batches]).to(self.device, non_blocking=True)
+            data_wait += time.perf_counter() - start
+            with self._step_context():
+                loss_sum = self.pipeline.step(inputs, labels)
+            # The last stage holds the loss: sum over the stages gives it to every rank.
+            dist.all_reduce(loss_sum, group=self.dims.mesh("pp").get_group())
+        for _ in range(self.grad_accum if self.pipeline is None else 0):
             start = time.perf_counter()
             inputs, labels = self.loader.next_batch()
             inputs = inputs.to(self.device, non_blocking=True)
@@ -244,7 +294,9 @@ class Trainer:
                 loss = self.loss_fn(self.model(inputs), labels)
                 (loss * scale).backward()
             loss_sum += _plain(loss.detach())
-        grad_norm = clip_grad_norm_(list(self.model.parameters()), tcfg.max_norm)
+        pp_mesh = self.dims.mesh("pp")
+        grad_norm = clip_grad_norm_([p for part in self.model_parts for p in part.parameters()],
+                                    tcfg.max_norm, pp_mesh.get_group() if pp_mesh else None)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -40,6 +40,16 @@ def reference(tmp_path_factory):
     return Trainer(load_config("debug", {**BASE, "job.output_dir": str(out)})).train()
 
 
+@pytest.fixture(scope="session")
+def reference_4_layers(tmp_path_factory):
+    """The single-process run of BASE with 4 blocks (enough for 4 pipeline stages)."""
+    from dtrain import Trainer, load_config
+
+    out = tmp_path_factory.mktemp("ref4")
+    return Trainer(load_config("debug", {**BASE, "model.n_layers": 4,
+                                         "job.output_dir": str(out)})).train()
+
+
 def assert_same_run(run: dict, reference: list[dict], label: str) -> None:
     """Equal initial weights, and per-step losses and gradient norms within REL."""
     assert run["init_ok"], f"{label}: initial weights differ from the single-device model"

@@ -21,16 +21,17 @@ def initial_weights_match(trainer: Trainer) -> bool:
     reference = build(cfg.model.name, device="cpu", seed=cfg.training.seed,
                       n_layers=cfg.model.n_layers, vocab_size=cfg.model.vocab_size)
     expected = dict(reference.named_parameters())
-    for name, param in trainer.model.named_parameters():
-        full = param.full_tensor() if hasattr(param, "full_tensor") else param
-        if not torch.equal(full.detach().cpu(), expected[canonical_name(name)].detach()):
-            return False
+    for part in trainer.model_parts:  # pipeline stages hold disjoint parts of the model
+        for name, param in part.named_parameters():
+            full = param.full_tensor() if hasattr(param, "full_tensor") else param
+            if not torch.equal(full.detach().cpu(), expected[canonical_name(name)].detach()):
+                return False
     return True
 
 
-def first_projection(model) -> str:
-    """The name of block 0's wq, through any compile/checkpoint wrappers."""
-    return next(name for name, _ in model.named_modules() if name.endswith("attention.wq"))
+def first_projection(model):
+    """This rank's first wq module (through compile/checkpoint wrappers), if it has one."""
+    return next((m for name, m in model.named_modules() if name.endswith("attention.wq")), None)
 
 
 def main() -> None:
@@ -40,12 +41,15 @@ def main() -> None:
         trainer = Trainer(load_config("debug", overrides))
         init_ok = initial_weights_match(trainer)
         dtypes = []
-        probe = trainer.model.get_submodule(first_projection(trainer.model))
-        handle = probe.register_forward_hook(lambda m, i, o, seen=dtypes: seen.append(str(o.dtype)))
+        probe = first_projection(trainer.model)
+        if probe is not None:
+            probe = probe.register_forward_hook(
+                lambda m, i, o, seen=dtypes: seen.append(str(o.dtype)))
         history = trainer.train()
-        handle.remove()
+        if probe is not None:
+            probe.remove()
         results.append({"overrides": overrides, "init_ok": init_ok, "history": history,
-                        "compute_dtype": dtypes[0]})
+                        "compute_dtype": dtypes[0] if dtypes else None})
     if trainer.rank == 0:
         json.dump(results, open(out_path, "w"))
     trainer.close()

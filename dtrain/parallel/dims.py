@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from dtrain.config import ConfigError, ParallelConfig
 
 # Degrees that have an implementation in dtrain.parallel; the rest are refused with a message.
-IMPLEMENTED = ("dp_replicate", "dp_shard", "tp")
+IMPLEMENTED = ("dp_replicate", "dp_shard", "tp", "pp")
 
 
 @dataclass
@@ -57,7 +57,7 @@ class ParallelDims:
         if missing:
             raise ConfigError(f"parallel {', '.join(missing)} is not available in this version "
                               f"of dtrain: set {' and '.join(m.split('=')[0] for m in missing)} "
-                              "to 1 (implemented: dp_shard, dp_replicate, tp)")
+                              "to 1 (implemented: dp_shard, dp_replicate, tp, pp)")
         return dims
 
     @property
