@@ -181,13 +181,17 @@ class ValidationConfig:
 @dataclass
 class CheckpointConfig:
     enabled: bool = False
-    """Save distributed checkpoints and resume from the latest one."""
+    """Save distributed checkpoints and resume from the latest one at start-up."""
     folder: str = "checkpoints"
     """Folder inside the run folder (or an absolute path)."""
     interval: int = 500
     """Save every this many steps (and at the last step)."""
     keep_last: int = 3
     """Checkpoints to keep; older ones are deleted (0 keeps all)."""
+    async_save: bool = False
+    """Write checkpoints in the background while training continues."""
+    load_step: int = 0
+    """Resume from this step's checkpoint instead of the latest (0 = latest)."""
 
 
 @dataclass
@@ -287,6 +291,7 @@ _RANGES: dict[tuple[str, str], tuple[typing.Callable[[Any], bool], str]] = {
     ("validation", "interval"): (lambda v: v >= 1, "an integer >= 1"),
     ("validation", "steps"): (lambda v: v >= 1, "an integer >= 1"),
     ("checkpoint", "keep_last"): (lambda v: v >= 0, "an integer >= 0"),
+    ("checkpoint", "load_step"): (lambda v: v >= 0, "an integer >= 0"),
     ("metrics", "log_every"): (lambda v: v >= 1, "an integer >= 1"),
     ("data", "vocab_size_divisible_by"): (lambda v: v >= 1, "an integer >= 1"),
     ("metrics", "peak_tflops"): (lambda v: v >= 0, "a number >= 0"),

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from dtrain.checkpoint import Checkpointer
 from dtrain.config import Config, ConfigError, TrainingConfig, help_text, load_config
 from dtrain.data.loader import Prefetcher, build_loader
 from dtrain.data.tokenizer import Tokenizer, padded_vocab_size
@@ -106,9 +107,6 @@ class Trainer:
         if cfg.fp8.enabled:
             raise ConfigError("fp8.enabled = true is not available in this version of dtrain: "
                               "set fp8.enabled = false")
-        if cfg.checkpoint.enabled:
-            raise ConfigError("checkpoint.enabled = true is not available in this version of "
-                              "dtrain: set checkpoint.enabled = false")
         self.device, self.rank, self.world_size = init_distributed(cfg.training.device)
         self.dims = ParallelDims.from_config(cfg.parallel, self.world_size)
         self.mesh = self.dims.build_mesh(self.device.type) if self.world_size > 1 else None
@@ -192,6 +190,14 @@ class Trainer:
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.lr_schedule, tcfg.steps,
                                             cfg.optimizer.lr)
         self.step = 0
+        self.checkpointer = None
+        if cfg.checkpoint.enabled:
+            rank_local = cfg.data.source == "hf"  # streamed data keeps a state per data rank
+            self.checkpointer = Checkpointer(
+                cfg.checkpoint, Path(cfg.job.output_dir) / cfg.job.name, self.model_parts,
+                self.optimizer, self.scheduler, self.loader,
+                data_key=f"dp{dp_rank}" if rank_local else "global")
+            self.step = self.checkpointer.load()
         self.history: list[dict[str, float]] = []
         self.val_history: list[dict[str, float]] = []
 
@@ -302,20 +308,27 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return self._reduce_sum(loss_sum) / tokens, grad_norm, data_wait
 
-    def train(self) -> list[dict[str, float]]:
-        """Runs to ``training.steps``; returns the logged records (also in metrics.jsonl)."""
+    def train(self, until: int | None = None) -> list[dict[str, float]]:
+        """Runs to ``training.steps`` (or stops after step ``until``: the schedule still spans
+        ``training.steps``); returns the logged records (also in metrics.jsonl)."""
         tcfg, mcfg = self.config.training, self.config.metrics
+        last = min(until or tcfg.steps, tcfg.steps)
         tokens_per_step = self.global_batch * tcfg.seq_len
         interval_start, interval_steps, data_wait = time.perf_counter(), 0, 0.0
-        run_start = interval_start
+        run_start, first_step = interval_start, self.step  # first_step > 0 after a resume
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        while self.step < tcfg.steps:
+        while self.step < last:
             lr = self.optimizer.param_groups[0]["lr"]
             loss, grad_norm, wait = self.train_step()
             self.step += 1
             interval_steps += 1
             data_wait += wait
+            ckpt = self.config.checkpoint
+            if self.checkpointer and (self.step % ckpt.interval == 0 or self.step == tcfg.steps):
+                save_start = time.perf_counter()
+                self.checkpointer.save(self.step)
+                interval_start += time.perf_counter() - save_start  # not counted as step time
             vcfg = self.config.validation
             if vcfg.enabled and (self.step % vcfg.interval == 0 or self.step == tcfg.steps):
                 eval_start = time.perf_counter()
@@ -323,7 +336,7 @@ class Trainer:
                 self.val_history.append({"step": self.step, "val_loss": val_loss})
                 self.metrics.log_validation(self.step, val_loss)
                 interval_start += time.perf_counter() - eval_start  # not counted as step time
-            if self.step % mcfg.log_every and self.step != tcfg.steps:
+            if self.step % mcfg.log_every and self.step != last:
                 continue
             loss_value, norm_value = loss.item(), grad_norm.item()  # waits for the device
             now = time.perf_counter()
@@ -336,7 +349,8 @@ class Trainer:
                 "step_time_s": step_time,
                 "data_wait_percent": 100 * data_wait / (now - interval_start),
                 "peak_memory_gib": peak_memory_gib(self.device),
-                "eta_s": (now - run_start) / self.step * (tcfg.steps - self.step),
+                "eta_s": (now - run_start) / (self.step - first_step)
+                * (tcfg.steps - self.step),
             }
             if (reserved := peak_reserved_gib(self.device)) is not None:
                 record["peak_reserved_gib"] = reserved
@@ -345,6 +359,8 @@ class Trainer:
             self.history.append({"step": self.step, **record})
             self.metrics.log(self.step, tcfg.steps, record)
             interval_start, interval_steps, data_wait = time.perf_counter(), 0, 0.0
+        if self.checkpointer:
+            self.checkpointer.wait()
         self.loader.close()
         self.metrics.close()
         return self.history

@@ -38,14 +38,16 @@ def main() -> None:
     spec_path, out_path = sys.argv[1], sys.argv[2]
     results = []
     for overrides in json.load(open(spec_path)):
+        until = overrides.pop("_until", None)  # stop early, as a killed job would
         trainer = Trainer(load_config("debug", overrides))
-        init_ok = initial_weights_match(trainer)
+        # After a resume the weights are the checkpoint's, not the initial ones.
+        init_ok = initial_weights_match(trainer) if trainer.step == 0 else None
         dtypes = []
         probe = first_projection(trainer.model)
         if probe is not None:
             probe = probe.register_forward_hook(
                 lambda m, i, o, seen=dtypes: seen.append(str(o.dtype)))
-        history = trainer.train()
+        history = trainer.train(until)
         if probe is not None:
             probe.remove()
         results.append({"overrides": overrides, "init_ok": init_ok, "history": history,

@@ -1,0 +1,160 @@
+"""Distributed checkpoints with torch DCP: save, resume, resharding across layouts, async save.
+
+A checkpoint is a folder ``<run>/<checkpoint.folder>/step-0000100`` holding DCP's shards: the
+model and optimizer state keyed by the whole model's parameter names (pipeline stages, FSDP and
+TP shards all map to the same names, so a checkpoint saved under one layout loads under any
+other), the LR schedule, the step and the data loader's position. It is written under a
+``.tmp`` name and renamed when every rank has finished, so a crash mid-save leaves the previous
+checkpoint as the latest usable one.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import time
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from dtrain.config import CheckpointConfig, ConfigError
+
+_STEP = re.compile(r"^step-(\d+)$")
+
+
+def whole_model_view(parts: list[nn.Module]) -> nn.Module:
+    """One module whose parameter names are the whole model's, over this rank's stages (the
+    modules are shared, not copied). A single part is returned as it is."""
+    if len(parts) == 1:
+        return parts[0]
+    view = nn.Module()
+    view.layers = nn.ModuleDict({k: v for part in parts for k, v in part.layers.items()})
+    for name in ("tok_embeddings", "norm", "output"):
+        module = next((getattr(p, name) for p in parts if getattr(p, name) is not None), None)
+        if module is not None:
+            setattr(view, name, module)
+    return view
+
+
+def checkpoint_steps(folder: Path) -> list[int]:
+    """Steps of the complete checkpoints in ``folder``, ascending."""
+    if not folder.is_dir():
+        return []
+    return sorted(int(m.group(1)) for p in folder.iterdir() if (m := _STEP.match(p.name)))
+
+
+class Checkpointer:
+    """Saves every ``cfg.interval`` steps and at the last step, keeps the last ``keep_last``,
+    and resumes from the latest (or ``cfg.load_step``) at start-up."""
+
+    def __init__(self, cfg: CheckpointConfig, run_dir: Path, parts: list[nn.Module],
+                 optimizer: torch.optim.Optimizer, scheduler, loader, data_key: str):
+        self.cfg = cfg
+        self.folder = Path(cfg.folder) if Path(cfg.folder).is_absolute() else run_dir / cfg.folder
+        self.model = whole_model_view(parts)
+        self.optimizer, self.scheduler, self.loader = optimizer, scheduler, loader
+        self.data_key = data_key  # "global", or "dp<rank>" for rank-local loader states
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self._pending: tuple[Future, Path] | None = None
+        self.last_save_seconds = 0.0
+
+    def _state(self, step: int) -> dict[str, Any]:
+        return {
+            "model": get_model_state_dict(self.model),
+            "optimizer": get_optimizer_state_dict(self.model, self.optimizer),
+            "train": {"step": step, "scheduler": self.scheduler.state_dict(),
+                      f"data_{self.data_key}": self.loader.state_dict()},
+        }
+
+    def save(self, step: int) -> None:
+        """Writes the checkpoint of ``step`` (asynchronously with ``cfg.async_save``: the
+        training continues while the files are written; the rename happens at the next save or
+        at ``close``)."""
+        self.wait()
+        start = time.perf_counter()
+        tmp = self.folder / f"step-{step:07d}.tmp"
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # left by an earlier crash
+        _barrier()
+        state = self._state(step)
+        if self.cfg.async_save:
+            self._pending = (dcp.async_save(state, checkpoint_id=str(tmp)), tmp)
+        else:
+            dcp.save(state, checkpoint_id=str(tmp))
+            self._finish(tmp)
+        self.last_save_seconds = time.perf_counter() - start
+
+    def wait(self) -> None:
+        """Completes an asynchronous save in flight."""
+        if self._pending is not None:
+            future, tmp = self._pending
+            self._pending = None
+            future.result()
+            self._finish(tmp)
+
+    def _finish(self, tmp: Path) -> None:
+        _barrier()  # every rank has written its shards
+        if self.rank == 0:
+            final = tmp.with_name(tmp.name.removesuffix(".tmp"))
+            shutil.rmtree(final, ignore_errors=True)
+            tmp.rename(final)
+            steps = checkpoint_steps(self.folder)
+            if self.cfg.keep_last:
+                for old in steps[: -self.cfg.keep_last]:
+                    shutil.rmtree(self.folder / f"step-{old:07d}", ignore_errors=True)
+        _barrier()
+
+    def load(self) -> int:
+        """Restores the latest checkpoint (or ``cfg.load_step``); returns its step, or 0 when
+        there is none. A damaged or mismatched checkpoint raises ConfigError, loading nothing
+        into the model and optimizer."""
+        steps = checkpoint_steps(self.folder)
+        if self.cfg.load_step:
+            if self.cfg.load_step not in steps:
+                raise ConfigError(f"checkpoint.load_step = {self.cfg.load_step} not found in "
+                                  f"{self.folder}: available steps are "
+                                  f"{', '.join(map(str, steps)) or 'none'}")
+            step = self.cfg.load_step
+        elif steps:
+            step = steps[-1]
+        else:
+            return 0
+        path = self.folder / f"step-{step:07d}"
+        state = self._state(0)
+        try:
+            dcp.load(state, checkpoint_id=str(path))
+        except (Exception, CheckpointException) as e:  # the user needs the path and the cause
+            raise ConfigError(f"checkpoint {path} cannot be loaded: {_first_line(e)}. It is "
+                              "damaged or was saved for another model shape or data source; "
+                              "point checkpoint.folder elsewhere or set checkpoint.load_step to "
+                              "another step") from None
+        set_model_state_dict(self.model, state["model"])
+        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+        self.scheduler.load_state_dict(state["train"]["scheduler"])
+        self.loader.load_state_dict(state["train"][f"data_{self.data_key}"])
+        return int(state["train"]["step"])
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _first_line(error: BaseException) -> str:
+    """The root cause in one line (DCP wraps each rank's exception in CheckpointException)."""
+    if isinstance(error, CheckpointException) and error.failures:
+        error = next(iter(error.failures.values()))[0]
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"[:500]

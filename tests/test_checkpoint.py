@@ -1,0 +1,122 @@
+"""Distributed checkpoints: exact resume, resharding across layouts, crash safety, bad input."""
+
+import shutil
+
+import pytest
+from conftest import BASE, REL, run_distributed
+
+from dtrain import Trainer, load_config
+from dtrain.checkpoint import checkpoint_steps
+from dtrain.config import ConfigError
+
+CKPT = {**BASE, "checkpoint.enabled": True, "checkpoint.interval": 5}
+
+
+def trainer(tmp_path, steps: int, **overrides) -> Trainer:
+    return Trainer(load_config("debug", {**CKPT, "training.steps": steps,
+                                         "job.output_dir": str(tmp_path), **overrides}))
+
+
+@pytest.fixture(scope="module")
+def continuous(tmp_path_factory):
+    """10 uninterrupted steps, no checkpoints: what every resumed run must reproduce."""
+    out = tmp_path_factory.mktemp("continuous")
+    return Trainer(load_config("debug", {**BASE, "training.steps": 10,
+                                         "job.output_dir": str(out)})).train()
+
+
+def losses(history):
+    return [r["loss"] for r in history]
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_resume_continues_bitwise(tmp_path, async_save):
+    # fp32 on one CPU process: the resumed run does exactly the same arithmetic.
+    reference = Trainer(load_config("debug", {**BASE, "training.steps": 20,
+                                              "job.output_dir": str(tmp_path / "ref")})).train()
+    first = trainer(tmp_path, 20, **{"checkpoint.async_save": async_save}).train(until=10)
+    resumed = trainer(tmp_path, 20, **{"checkpoint.async_save": async_save})
+    assert resumed.step == 10
+    assert losses(first) + losses(resumed.train()) == losses(reference)
+    assert checkpoint_steps(tmp_path / "debug" / "checkpoints") == [10, 15, 20]
+
+
+def test_keep_last_and_load_step(tmp_path):
+    trainer(tmp_path, 20, **{"checkpoint.keep_last": 2}).train()
+    folder = tmp_path / "debug" / "checkpoints"
+    assert checkpoint_steps(folder) == [15, 20]
+    assert trainer(tmp_path, 20, **{"checkpoint.load_step": 15}).step == 15
+    with pytest.raises(ConfigError, match="load_step = 5 not found .* available steps are 15, 20"):
+        trainer(tmp_path, 20, **{"checkpoint.load_step": 5})
+
+
+def test_crash_during_save_leaves_previous_checkpoint(tmp_path, monkeypatch, continuous):
+    trainer(tmp_path, 10).train(until=5)
+
+    def crash(self, tmp):
+        raise RuntimeError("killed while saving")
+
+    monkeypatch.setattr("dtrain.checkpoint.Checkpointer._finish", crash)
+    with pytest.raises(RuntimeError, match="killed"):
+        trainer(tmp_path, 10).train()  # its save at step 10 dies after writing shards
+    monkeypatch.undo()
+    folder = tmp_path / "debug" / "checkpoints"
+    assert (folder / "step-0000010.tmp").is_dir() and checkpoint_steps(folder) == [5]
+    resumed = trainer(tmp_path, 10)
+    assert resumed.step == 5
+    after = resumed.train()
+    assert losses(after) == pytest.approx(losses(continuous)[5:], rel=REL)
+
+
+def test_damaged_checkpoint_is_one_clear_error(tmp_path):
+    trainer(tmp_path, 5).train()
+    step = tmp_path / "debug" / "checkpoints" / "step-0000005"
+    shard = next(step.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    with pytest.raises(ConfigError, match=r"checkpoint .*step-0000005 cannot be loaded"):
+        trainer(tmp_path, 10)
+
+
+def test_checkpoint_of_another_model_shape_is_refused(tmp_path):
+    trainer(tmp_path, 5).train()
+    with pytest.raises(ConfigError, match="cannot be loaded.*another model shape"):
+        trainer(tmp_path, 10, **{"model.n_layers": 3})
+
+
+def test_missing_shard_is_refused(tmp_path):
+    trainer(tmp_path, 5).train()
+    step = tmp_path / "debug" / "checkpoints" / "step-0000005"
+    next(step.glob("*.distcp")).unlink()
+    with pytest.raises(ConfigError, match="cannot be loaded"):
+        trainer(tmp_path, 10)
+
+
+def resharded(tmp_path, before: tuple[int, dict], after: tuple[int, dict]) -> list[dict]:
+    """Trains 5 steps under one layout, then resumes to 10 under another."""
+    common = {**CKPT, "job.output_dir": str(tmp_path), "job.name": "run"}
+    run_distributed(tmp_path / "a", before[0], [{**common, **before[1],
+                                                 "training.steps": 10, "_until": 5}])
+    (run,) = run_distributed(tmp_path / "b", after[0], [{**common, **after[1],
+                                                         "training.steps": 10}])
+    return run["history"]
+
+
+def test_fsdp4_resumes_as_tp2_x_fsdp2(tmp_path, continuous):
+    # Also another data-parallel degree (4 -> 2) for the loader.
+    history = resharded(tmp_path, (4, {"parallel.dp_shard": 4}),
+                        (4, {"parallel.tp": 2, "parallel.dp_shard": 2}))
+    assert losses(history) == pytest.approx(losses(continuous)[5:], rel=REL)
+
+
+def test_pipeline_resumes_without_pipeline_on_more_data_ranks(tmp_path, continuous):
+    history = resharded(tmp_path, (2, {"parallel.pp": 2, "parallel.dp_shard": 1}),
+                        (2, {"parallel.dp_shard": 2}))
+    assert losses(history) == pytest.approx(losses(continuous)[5:], rel=REL)
+
+
+def test_rerun_after_finishing_does_nothing_more(tmp_path):
+    trainer(tmp_path, 5).train()
+    again = trainer(tmp_path, 5)
+    assert again.step == 5 and again.train() == []
+    shutil.rmtree(tmp_path / "debug" / "checkpoints")
+    assert trainer(tmp_path, 5).step == 0
