@@ -147,6 +147,20 @@ class Checkpointer:
         return int(state["train"]["step"])
 
 
+def load_model_weights(parts: list[nn.Module], path: str | Path) -> None:
+    """Fills the model (any layout) with the weights of a checkpoint's ``model`` entry (an
+    imported HF model, or a training checkpoint whose optimizer state is left out)."""
+    model = whole_model_view(parts)
+    state = {"model": get_model_state_dict(model)}
+    try:
+        dcp.load(state, checkpoint_id=str(path))
+    except (Exception, CheckpointException) as e:
+        raise ConfigError(f"checkpoint.initial_weights = {str(path)!r} cannot be loaded: "
+                          f"{_first_line(e)}. Give a checkpoint of this model's shape (made by "
+                          "tools/convert_hf.py import or by a dtrain run)") from None
+    set_model_state_dict(model, state["model"])
+
+
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()

@@ -192,6 +192,9 @@ class CheckpointConfig:
     """Write checkpoints in the background while training continues."""
     load_step: int = 0
     """Resume from this step's checkpoint instead of the latest (0 = latest)."""
+    initial_weights: str = ""
+    """Start a new run from these model weights: a checkpoint made by tools/convert_hf.py
+    import, or any dtrain checkpoint step folder (ignored when resuming a run)."""
 
 
 @dataclass

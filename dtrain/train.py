@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from dtrain.checkpoint import Checkpointer
+from dtrain.checkpoint import Checkpointer, load_model_weights
 from dtrain.config import Config, ConfigError, TrainingConfig, help_text, load_config
 from dtrain.data.loader import Prefetcher, build_loader
 from dtrain.data.tokenizer import Tokenizer, padded_vocab_size
@@ -198,6 +198,8 @@ class Trainer:
                 self.optimizer, self.scheduler, self.loader,
                 data_key=f"dp{dp_rank}" if rank_local else "global")
             self.step = self.checkpointer.load()
+        if cfg.checkpoint.initial_weights and self.step == 0:
+            load_model_weights(self.model_parts, cfg.checkpoint.initial_weights)
         self.history: list[dict[str, float]] = []
         self.val_history: list[dict[str, float]] = []
 

@@ -34,6 +34,7 @@ class LlamaArgs:
     max_seq_len: int = 8192
     tie_embeddings: bool = False
     attention_backend: str = "auto"
+    ffn_hidden_size: int | None = None  # explicit FFN width (HF checkpoints); else Llama's rule
 
     @property
     def head_dim(self) -> int:
@@ -45,7 +46,10 @@ class LlamaArgs:
 
     @property
     def ffn_dim(self) -> int:
-        """Llama's rule: 2/3 of 4*dim, scaled by ffn_dim_multiplier, rounded up to multiple_of."""
+        """Llama's rule: 2/3 of 4*dim, scaled by ffn_dim_multiplier, rounded up to multiple_of
+        (unless ffn_hidden_size is given)."""
+        if self.ffn_hidden_size:
+            return self.ffn_hidden_size
         hidden = int(2 * 4 * self.dim / 3)
         if self.ffn_dim_multiplier is not None:
             hidden = int(self.ffn_dim_multiplier * hidden)
