@@ -133,13 +133,10 @@ class Checkpointer:
             return 0
         path = self.folder / f"step-{step:07d}"
         state = self._state(0)
-        try:
-            dcp.load(state, checkpoint_id=str(path))
-        except (Exception, CheckpointException) as e:  # the user needs the path and the cause
-            raise ConfigError(f"checkpoint {path} cannot be loaded: {_first_line(e)}. It is "
-                              "damaged or was saved for another model shape or data source; "
-                              "point checkpoint.folder elsewhere or set checkpoint.load_step to "
-                              "another step") from None
+        read_checkpoint(state, path, f"checkpoint {path}",
+                        "It is damaged or was saved for another model shape or data source; "
+                        "point checkpoint.folder elsewhere or set checkpoint.load_step to "
+                        "another step")
         set_model_state_dict(self.model, state["model"])
         set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["train"]["scheduler"])
@@ -152,13 +149,20 @@ def load_model_weights(parts: list[nn.Module], path: str | Path) -> None:
     imported HF model, or a training checkpoint whose optimizer state is left out)."""
     model = whole_model_view(parts)
     state = {"model": get_model_state_dict(model)}
+    read_checkpoint(state, path, f"checkpoint.initial_weights = {str(path)!r}",
+                    "Give a checkpoint of this model's shape (made by tools/convert_hf.py "
+                    "import or by a dtrain run)")
+    set_model_state_dict(model, state["model"])
+
+
+def read_checkpoint(state: dict[str, Any], path: str | Path, what: str, fix: str) -> None:
+    """``dcp.load`` into ``state``; any failure (a damaged or missing shard, a tensor the
+    checkpoint lacks or has in another shape) becomes one ConfigError naming ``what`` and the
+    root cause, followed by ``fix``."""
     try:
         dcp.load(state, checkpoint_id=str(path))
-    except (Exception, CheckpointException) as e:
-        raise ConfigError(f"checkpoint.initial_weights = {str(path)!r} cannot be loaded: "
-                          f"{_first_line(e)}. Give a checkpoint of this model's shape (made by "
-                          "tools/convert_hf.py import or by a dtrain run)") from None
-    set_model_state_dict(model, state["model"])
+    except (Exception, CheckpointException) as e:  # DCP raises many types, some BaseException
+        raise ConfigError(f"{what} cannot be loaded: {_first_line(e)}. {fix}") from None
 
 
 def _barrier() -> None:

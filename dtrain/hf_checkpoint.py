@@ -199,19 +199,13 @@ def import_hf(hf_folder: str | Path, out: str | Path) -> LlamaArgs:
 def load_model(checkpoint: str | Path, args: LlamaArgs) -> Transformer:
     """A full model on CPU with the weights of a dtrain checkpoint (a training step folder or an
     imported model-only one), read in one process whatever layout saved it."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
+    from dtrain.checkpoint import read_checkpoint
 
     model = Transformer(args)
     state = {"model": model.state_dict()}
-    try:
-        dcp.load(state, checkpoint_id=str(checkpoint))
-    except (Exception, CheckpointException) as e:
-        from dtrain.checkpoint import _first_line
-
-        raise ConfigError(f"checkpoint {checkpoint} cannot be loaded as a {args.n_layers}-layer "
-                          f"model of dim {args.dim}: {_first_line(e)}. Name the preset the run "
-                          "trained (and its layer count)") from None
+    read_checkpoint(state, checkpoint, f"checkpoint {checkpoint} as a {args.n_layers}-layer "
+                    f"model of dim {args.dim}", "Name the preset the run trained (and its "
+                    "layer count)")
     model.load_state_dict(state["model"])
     return model
 
