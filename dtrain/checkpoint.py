@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import re
 import shutil
-import time
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -68,7 +67,6 @@ class Checkpointer:
         self.data_key = data_key  # "global", or "dp<rank>" for rank-local loader states
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self._pending: tuple[Future, Path] | None = None
-        self.last_save_seconds = 0.0
 
     def _state(self, step: int) -> dict[str, Any]:
         return {
@@ -83,7 +81,6 @@ class Checkpointer:
         training continues while the files are written; the rename happens at the next save or
         at ``close``)."""
         self.wait()
-        start = time.perf_counter()
         tmp = self.folder / f"step-{step:07d}.tmp"
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # left by an earlier crash
@@ -94,7 +91,6 @@ class Checkpointer:
         else:
             dcp.save(state, checkpoint_id=str(tmp))
             self._finish(tmp)
-        self.last_save_seconds = time.perf_counter() - start
 
     def wait(self) -> None:
         """Completes an asynchronous save in flight."""

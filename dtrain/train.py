@@ -330,7 +330,12 @@ class Trainer:
             if self.checkpointer and (self.step % ckpt.interval == 0 or self.step == tcfg.steps):
                 save_start = time.perf_counter()
                 self.checkpointer.save(self.step)
-                interval_start += time.perf_counter() - save_start  # not counted as step time
+                stall = time.perf_counter() - save_start
+                interval_start += stall  # not counted as step time
+                if self.rank == 0:
+                    print(f"checkpoint step {self.step}: training paused {stall:.2f}s"
+                          + (" (written in the background)" if ckpt.async_save else ""),
+                          flush=True)
             vcfg = self.config.validation
             if vcfg.enabled and (self.step % vcfg.interval == 0 or self.step == tcfg.steps):
                 eval_start = time.perf_counter()
