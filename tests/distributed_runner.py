@@ -6,6 +6,7 @@ weights equal the single-device model's.
 """
 
 import json
+import os
 import sys
 
 import torch
@@ -53,8 +54,14 @@ def main() -> None:
         results.append({"overrides": overrides, "init_ok": init_ok, "history": history,
                         "compute_dtype": dtypes[0] if dtypes else None})
     if trainer.rank == 0:
-        json.dump(results, open(out_path, "w"))
-    trainer.close()
+        with open(out_path, "w") as f:
+            json.dump(results, f)
+    torch.distributed.barrier()
+    # Results are written. Skip interpreter and gloo teardown: with the many subgroups of
+    # several meshes it has crashed (SIGSEGV) after complete runs, in torch's destructors.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
