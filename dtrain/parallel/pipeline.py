@@ -154,7 +154,7 @@ class Pipeline:
     def __init__(self, parts: list[Transformer], indices: list[int], num_stages: int,
                  schedule: str, microbatches: int, pp_mesh: DeviceMesh, device: torch.device,
                  loss_fn, loss_scale: float):
-        self.indices, self.num_stages, self.device = indices, num_stages, device
+        self.device = device
         self.loss_scale = loss_scale
 
         def scaled_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
