@@ -46,7 +46,8 @@ def hardware(device: torch.device, world_size: int) -> str:
 
 def profile_steps(trainer: Trainer, steps: int) -> None:
     """Profiles ``steps`` further training steps; rank 0 prints where device time goes and the
-    share of wall time the device was busy, and saves ``profile_rank0.json`` (Chrome trace)."""
+    share of wall time the device was busy; every rank prints its compute-kernel time and idle
+    share (the pipeline bubble). Saves ``profile_rank0.json`` (Chrome trace)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + (
@@ -59,15 +60,21 @@ def profile_steps(trainer: Trainer, steps: int) -> None:
             trainer.train_step()
         sync()
         wall = time.perf_counter() - start
-    if trainer.rank != 0:
-        return
     events = prof.key_averages()
-    sort = "self_device_time_total" if trainer.device.type == "cuda" else "self_cpu_time_total"
-    print(events.table(sort_by=sort, row_limit=30, max_name_column_width=70), flush=True)
     kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
     busy = sum(e.self_device_time_total for e in kernels) / 1e6
-    print(f"PROFILE {steps} steps: wall {wall:.3f}s, device kernels {busy:.3f}s "
-          f"({100 * busy / wall:.1f}% of wall)", flush=True)
+    # Communication kernels also run while a rank only waits for its peer (a pipeline bubble):
+    # the idle share is measured against compute kernels alone.
+    compute = sum(e.self_device_time_total for e in kernels if "nccl" not in e.key.lower()) / 1e6
+    idle = max(wall - compute, 0.0)
+    print(f"PROFILE rank {trainer.rank}, {steps} steps: wall {wall:.3f}s, device kernels "
+          f"{busy:.3f}s ({100 * busy / wall:.1f}% of wall), compute kernels {compute:.3f}s, "
+          f"idle {100 * idle / wall:.1f}% of wall = {100 * idle / max(compute, 1e-9):.1f}% of "
+          "compute", flush=True)
+    if trainer.rank != 0:
+        return
+    sort = "self_device_time_total" if trainer.device.type == "cuda" else "self_cpu_time_total"
+    print(events.table(sort_by=sort, row_limit=30, max_name_column_width=70), flush=True)
     prof.export_chrome_trace(str(trainer.run_dir / "profile_rank0.json"))
 
 
