@@ -3,7 +3,8 @@
 A checkpoint is a folder ``<run>/<checkpoint.folder>/step-0000100`` holding DCP's shards: the
 model and optimizer state keyed by the whole model's parameter names (pipeline stages, FSDP and
 TP shards all map to the same names, so a checkpoint saved under one layout loads under any
-other), the LR schedule, the step and the data loader's position. It is written under a
+other), the LR schedule, the step, the data loader's position and each rank's random-number
+generator states (restored when the world size is unchanged). It is written under a
 ``.tmp`` name and renamed when every rank has finished, so a crash mid-save leaves the previous
 checkpoint as the latest usable one.
 """
@@ -21,12 +22,14 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from dtrain.config import CheckpointConfig, ConfigError
 
@@ -67,13 +70,22 @@ class Checkpointer:
         self.data_key = data_key  # "global", or "dp<rank>" for rank-local loader states
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self._pending: tuple[Future, Path] | None = None
+        self._staging: Future | None = None
+        self._stager = None
+        if cfg.async_save and torch.cuda.is_available():
+            # Copies to pinned host buffers (kept for the next save) on a background thread:
+            # the training pauses only if it reaches the optimizer step before the copy ends.
+            self._stager = DefaultStager(StagingOptions(
+                use_pinned_memory=True, use_shared_memory=False, use_async_staging=True,
+                use_non_blocking_copy=True))
 
     def _state(self, step: int) -> dict[str, Any]:
         return {
             "model": get_model_state_dict(self.model),
             "optimizer": get_optimizer_state_dict(self.model, self.optimizer),
             "train": {"step": step, "scheduler": self.scheduler.state_dict(),
-                      f"data_{self.data_key}": self.loader.state_dict()},
+                      f"data_{self.data_key}": self.loader.state_dict(),
+                      "rng": {f"rank{self.rank}": rng_state()}},
         }
 
     def save(self, step: int) -> None:
@@ -87,18 +99,36 @@ class Checkpointer:
         _barrier()
         state = self._state(step)
         if self.cfg.async_save:
-            self._pending = (dcp.async_save(state, checkpoint_id=str(tmp)), tmp)
+            result = dcp.async_save(state, checkpoint_id=str(tmp), async_stager=self._stager)
+            if isinstance(result, AsyncSaveResponse):
+                self._staging, result = result.staging_completion, result.upload_completion
+            self._pending = (result, tmp)
         else:
             dcp.save(state, checkpoint_id=str(tmp))
             self._finish(tmp)
 
+    def wait_staged(self) -> None:
+        """Waits until an asynchronous save has copied the state off the device: call before
+        anything changes the parameters or optimizer state in place."""
+        if self._staging is not None:
+            self._staging.result()
+            self._staging = None
+
     def wait(self) -> None:
         """Completes an asynchronous save in flight."""
+        self.wait_staged()
         if self._pending is not None:
             future, tmp = self._pending
             self._pending = None
             future.result()
             self._finish(tmp)
+
+    def close(self) -> None:
+        """Completes a save in flight and frees the pinned staging buffers."""
+        self.wait()
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
 
     def _finish(self, tmp: Path) -> None:
         _barrier()  # every rank has written its shards
@@ -129,6 +159,11 @@ class Checkpointer:
             return 0
         path = self.folder / f"step-{step:07d}"
         state = self._state(0)
+        # Generator states are per rank: restored only when this rank's state was saved (the
+        # same world size); otherwise the run keeps its seeded generators.
+        saved_rng = f"train.rng.rank{self.rank}" in _saved_keys(path)
+        if not saved_rng:
+            del state["train"]["rng"]
         read_checkpoint(state, path, f"checkpoint {path}",
                         "It is damaged or was saved for another model shape or data source; "
                         "point checkpoint.folder elsewhere or set checkpoint.load_step to "
@@ -137,7 +172,35 @@ class Checkpointer:
         set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["train"]["scheduler"])
         self.loader.load_state_dict(state["train"][f"data_{self.data_key}"])
+        if saved_rng:
+            set_rng_state(state["train"]["rng"][f"rank{self.rank}"])
         return int(state["train"]["step"])
+
+
+def rng_state() -> torch.Tensor:
+    """This process's CPU generator state, followed by the current CUDA device's when there is
+    one, as one byte tensor."""
+    states = [torch.get_rng_state()]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states.append(torch.cuda.get_rng_state())
+    return torch.cat(states)
+
+
+def set_rng_state(state: torch.Tensor) -> None:
+    """Restores what ``rng_state`` returned."""
+    cpu = torch.get_rng_state().numel()
+    torch.set_rng_state(state[:cpu].clone())
+    if state.numel() > cpu and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state[cpu:].clone())
+
+
+def _saved_keys(path: Path) -> set[str]:
+    """The flattened keys a checkpoint holds (empty when its metadata cannot be read: the load
+    that follows then reports the problem)."""
+    try:
+        return set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    except Exception:
+        return set()
 
 
 def load_model_weights(parts: list[nn.Module], path: str | Path) -> None:

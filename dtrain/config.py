@@ -44,6 +44,22 @@ class ModelConfig:
     """Override the preset's vocabulary size (0 keeps the preset's)."""
     attention_backend: Literal["auto", "cudnn", "flash", "efficient", "math"] = "auto"
     """SDPA kernel; auto prefers cuDNN, then flash, then memory-efficient, then math."""
+    moe_aux_loss_coeff: float = -1.0
+    """MoE presets: weight of the load-balancing loss, summed over layers (-1 keeps the
+    preset's; the logged loss stays the plain LM loss)."""
+    moe_z_loss_coeff: float = -1.0
+    """MoE presets: weight of the router z-loss, summed over layers (-1 keeps the preset's)."""
+    moe_capacity_factor: float = 0.0
+    """MoE presets: 0 is dropless; else each expert takes at most capacity_factor x tokens x
+    top_k / experts assignments per forward and drops the rest."""
+    moe_router: Literal["preset", "softmax", "sigmoid"] = "preset"
+    """MoE presets: router scores; softmax top-k (Mixtral) or sigmoid with an expert bias
+    updated after each step for balance (DeepSeek-V3, aux-loss-free)."""
+    moe_bias_update_rate: float = 0.001
+    """MoE with sigmoid router: step of the expert-bias update per optimizer step."""
+    moe_gemm: Literal["auto", "grouped", "loop"] = "auto"
+    """MoE expert compute: grouped GEMM (torch._grouped_mm), a loop over experts, or auto
+    (grouped for bf16 on CUDA sm90+, else the loop)."""
 
 
 @dataclass
@@ -54,6 +70,10 @@ class ParallelConfig:
     """FSDP sharding degree; -1 takes the ranks the other degrees leave."""
     cp: int = 1
     """Context-parallel degree (sequence split across ranks inside attention)."""
+    cp_comm_type: Literal["p2p", "all_gather", "a2a"] = "p2p"
+    """With cp > 1, attention across the sequence shards: p2p (ring exchange of K/V overlapped
+    with compute), all_gather (gather K/V), a2a (Ulysses: all-to-all to a head split; the heads
+    per tensor-parallel rank must divide by cp)."""
     tp: int = 1
     """Tensor-parallel degree (with sequence parallel)."""
     pp: int = 1
@@ -227,11 +247,19 @@ class CompileConfig:
 @dataclass
 class FP8Config:
     enabled: bool = False
-    """Train linear layers in FP8."""
+    """Train the linear layers in FP8 (GPUs of compute capability 8.9 or newer: Ada, Hopper,
+    Blackwell)."""
     backend: Literal["torchao", "te"] = "torchao"
-    """FP8 implementation."""
-    recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
-    """Scaling recipe."""
+    """torchao float8 (pip install dtrain[fp8]) or Transformer Engine (pip install dtrain[te])."""
+    recipe: Literal["tensorwise", "rowwise", "delayed", "current"] = "tensorwise"
+    """Scaling. torchao: tensorwise (fastest; FP8 all-gather under FSDP) or rowwise (one scale
+    per row, more accurate); te: delayed (scales from an amax history) or current."""
+    filter_fqns: list[str] = field(default_factory=lambda: ["output"])
+    """Linear layers kept in bf16: module names, dotted suffixes or globs (output,
+    feed_forward.w2, layers.0.*). Layers whose dimensions are not multiples of 16 stay too."""
+    fsdp_float8_all_gather: bool = True
+    """torchao tensorwise under FSDP: all-gather weights in FP8, with their scales computed in
+    one all-reduce after each optimizer step."""
 
 
 @dataclass
@@ -269,6 +297,10 @@ SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fiel
 _RANGES: dict[tuple[str, str], tuple[typing.Callable[[Any], bool], str]] = {
     ("model", "n_layers"): (lambda v: v >= 0, "an integer >= 0"),
     ("model", "vocab_size"): (lambda v: v >= 0, "an integer >= 0"),
+    ("model", "moe_aux_loss_coeff"): (lambda v: v >= 0 or v == -1, "-1 or a number >= 0"),
+    ("model", "moe_z_loss_coeff"): (lambda v: v >= 0 or v == -1, "-1 or a number >= 0"),
+    ("model", "moe_capacity_factor"): (lambda v: v >= 0, "a number >= 0 (0 = dropless)"),
+    ("model", "moe_bias_update_rate"): (lambda v: v >= 0, "a number >= 0"),
     ("parallel", "dp_replicate"): (lambda v: v >= 1, "an integer >= 1"),
     ("parallel", "dp_shard"): (lambda v: v == -1 or v >= 1, "-1 or an integer >= 1"),
     ("parallel", "cp"): (lambda v: v >= 1, "an integer >= 1"),
@@ -329,7 +361,19 @@ def load_config(recipe: str | Path | None = None,
         value = getattr(getattr(cfg, section), key)
         if not ok(value):
             raise ConfigError(f"{section}.{key} = {value!r} is out of range: use {allowed}")
+    _check_fp8(cfg.fp8)
     return cfg
+
+
+FP8_RECIPES = {"torchao": ("tensorwise", "rowwise"), "te": ("delayed", "current")}
+
+
+def _check_fp8(cfg: FP8Config) -> None:
+    """The recipe must be one of the backend's."""
+    recipes = FP8_RECIPES[cfg.backend]
+    if cfg.recipe not in recipes:
+        raise ConfigError(f"fp8.recipe = '{cfg.recipe}' is not a recipe of fp8.backend = "
+                          f"'{cfg.backend}': use one of {', '.join(recipes)}")
 
 
 def find_recipe(recipe: str | Path) -> Path:

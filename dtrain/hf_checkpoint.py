@@ -1,11 +1,14 @@
-"""HF transformers LLaMA checkpoints <-> dtrain weights.
+"""HF transformers LLaMA and Mixtral checkpoints <-> dtrain weights.
 
 HF stores ``LlamaForCausalLM`` as safetensors (one file, or shards with
 ``model.safetensors.index.json``) beside ``config.json``. Names map one to one
 (``model.layers.3.self_attn.q_proj.weight`` <-> ``layers.3.attention.wq.weight``); the q and k
 projections are also permuted, because HF rotates the two halves of each head (``rotate_half``)
 where dtrain, like Meta's reference code, rotates interleaved pairs. Grouped-query attention needs
-nothing more: k and v keep their ``n_kv_heads`` rows.
+nothing more: k and v keep their ``n_kv_heads`` rows. ``MixtralForCausalLM`` keeps one tensor per
+expert (``block_sparse_moe.experts.<e>.w1.weight``; transformers 5 models hold them fused as
+``mlp.experts.gate_up_proj`` / ``down_proj``, and either is read): they are stacked into dtrain's
+``[n_experts, ...]`` parameters, and the router is ``block_sparse_moe.gate``.
 
 ``import_hf`` writes a model-only DCP checkpoint that a run starts from with
 ``checkpoint.initial_weights``, under any parallel layout; ``export_hf`` turns a dtrain
@@ -33,22 +36,27 @@ _LAYER_NAMES = {  # dtrain suffix -> HF suffix, inside layers.<i>.
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
+_DENSE = ("feed_forward.w1.weight", "feed_forward.w2.weight", "feed_forward.w3.weight")
 _TOP_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight",
               "norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
 
 
 def args_from_hf_config(config: dict) -> LlamaArgs:
     """``LlamaArgs`` for an HF LLaMA ``config.json``."""
-    if config.get("model_type") not in (None, "llama"):
+    if config.get("model_type") not in (None, "llama", "mixtral"):
         raise ConfigError(f"config.json has model_type {config.get('model_type')!r}: only "
-                          "LLaMA checkpoints (model_type 'llama') are converted in this version")
+                          "LLaMA and Mixtral checkpoints (model_type 'llama' or 'mixtral') are "
+                          "converted in this version")
+    if config.get("sliding_window"):
+        raise ConfigError(f"config.json has sliding_window {config['sliding_window']}: "
+                          "sliding-window attention is not supported (Mixtral has none)")
     # transformers 4 writes rope_theta and rope_scaling; transformers 5 one rope_parameters.
     rope = config.get("rope_parameters") or {}
     theta = config.get("rope_theta", rope.get("rope_theta", 10000.0))
     scaling = config.get("rope_scaling") or (
         rope if rope.get("rope_type", "default") != "default" else None)
     head_dim = config["hidden_size"] // config["num_attention_heads"]
-    if config.get("head_dim", head_dim) != head_dim:
+    if (config.get("head_dim") or head_dim) != head_dim:
         raise ConfigError(f"config.json has head_dim {config['head_dim']}, not hidden_size / "
                           f"num_attention_heads = {head_dim}: such models are not supported")
     if scaling is not None:
@@ -65,11 +73,21 @@ def args_from_hf_config(config: dict) -> LlamaArgs:
         vocab_size=config["vocab_size"], ffn_hidden_size=config["intermediate_size"],
         norm_eps=config.get("rms_norm_eps", 1e-5), rope_theta=theta,
         rope_scaling=scaling, max_seq_len=config.get("max_position_embeddings", 4096),
-        tie_embeddings=bool(config.get("tie_word_embeddings", False)))
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        **_moe_args(config))
+
+
+def _moe_args(config: dict) -> dict:
+    """The MoE fields of ``LlamaArgs`` for a Mixtral config (none for LLaMA)."""
+    if config.get("model_type") != "mixtral":
+        return {}
+    return {"n_experts": config["num_local_experts"], "moe_top_k": config["num_experts_per_tok"],
+            "moe_hidden_size": config["intermediate_size"],
+            "moe_aux_loss_coeff": config.get("router_aux_loss_coef", 0.0)}
 
 
 def hf_config_from_args(args: LlamaArgs) -> dict:
-    """The HF ``config.json`` of a dtrain LLaMA."""
+    """The HF ``config.json`` of a dtrain LLaMA or Mixtral."""
     config = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "hidden_size": args.dim, "num_hidden_layers": args.n_layers,
@@ -80,6 +98,15 @@ def hf_config_from_args(args: LlamaArgs) -> dict:
         "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
         "torch_dtype": "float32",
     }
+    if args.n_experts:
+        config.update({"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+                       "intermediate_size": args.expert_dim,
+                       "num_local_experts": args.n_experts,
+                       "num_experts_per_tok": args.moe_top_k,
+                       "router_aux_loss_coef": args.moe_aux_loss_coeff,
+                       "sliding_window": None})
+        for key in ("attention_bias", "mlp_bias"):
+            del config[key]
     if args.rope_scaling is not None:
         s = args.rope_scaling
         config["rope_scaling"] = {"rope_type": "llama3", "factor": s.factor,
@@ -108,11 +135,15 @@ def from_hf_state_dict(hf: dict[str, torch.Tensor], args: LlamaArgs) -> dict[str
         if theirs in hf:
             out[ours] = hf[theirs]
     for i in range(args.n_layers):
+        if args.n_experts:
+            out.update(_experts_from_hf(hf, args, i))
         for ours, theirs in _LAYER_NAMES.items():
+            if args.n_experts and ours in _DENSE:
+                continue
             key = f"model.layers.{i}.{theirs}"
             if key not in hf:
                 raise ConfigError(f"the HF checkpoint has no tensor {key}: it is not a complete "
-                                  f"LLaMA with {args.n_layers} layers")
+                                  f"model with {args.n_layers} layers")
             tensor = hf[key]
             if ours == "attention.wq.weight":
                 tensor = _to_interleaved(tensor, args.n_heads)
@@ -121,6 +152,32 @@ def from_hf_state_dict(hf: dict[str, torch.Tensor], args: LlamaArgs) -> dict[str
             out[f"layers.{i}.{ours}"] = tensor
     if args.tie_embeddings:  # one tensor under both names, as the tied model's state_dict has
         out["output.weight"] = out["tok_embeddings.weight"]
+    return out
+
+
+def _experts_from_hf(hf: dict[str, torch.Tensor], args: LlamaArgs,
+                     i: int) -> dict[str, torch.Tensor]:
+    """Layer ``i``'s router and stacked experts from Mixtral's per-expert (or fused) tensors."""
+    ours, legacy, fused = (f"layers.{i}.feed_forward", f"model.layers.{i}.block_sparse_moe",
+                           f"model.layers.{i}.mlp")
+    out = {}
+    if f"{fused}.experts.gate_up_proj" in hf:  # transformers 5 in memory
+        gate_up, hidden = hf[f"{fused}.experts.gate_up_proj"], args.expert_dim
+        out[f"{ours}.experts.w1"] = gate_up[:, :hidden]
+        out[f"{ours}.experts.w3"] = gate_up[:, hidden:]
+        out[f"{ours}.experts.w2"] = hf[f"{fused}.experts.down_proj"]
+        out[f"{ours}.router.gate.weight"] = hf[f"{fused}.gate.weight"]
+        return out
+    for w in ("w1", "w2", "w3"):
+        keys = [f"{legacy}.experts.{e}.{w}.weight" for e in range(args.n_experts)]
+        missing = [k for k in keys if k not in hf]
+        if missing:
+            raise ConfigError(f"the HF checkpoint has no tensor {missing[0]}: it is not a "
+                              f"complete Mixtral with {args.n_experts} experts per layer")
+        out[f"{ours}.experts.{w}"] = torch.stack([hf[k] for k in keys])
+    if f"{legacy}.gate.weight" not in hf:
+        raise ConfigError(f"the HF checkpoint has no tensor {legacy}.gate.weight")
+    out[f"{ours}.router.gate.weight"] = hf[f"{legacy}.gate.weight"]
     return out
 
 
@@ -133,6 +190,15 @@ def to_hf_state_dict(ours: dict[str, torch.Tensor], args: LlamaArgs) -> dict[str
                 out[_TOP_NAMES[name]] = tensor
             continue
         _, i, suffix = name.split(".", 2)
+        moe = f"model.layers.{i}.block_sparse_moe"
+        if suffix == "feed_forward.router.gate.weight":
+            out[f"{moe}.gate.weight"] = tensor
+            continue
+        if suffix.startswith("feed_forward.experts."):
+            w = suffix.rsplit(".", 1)[1]
+            for e in range(tensor.shape[0]):
+                out[f"{moe}.experts.{e}.{w}.weight"] = tensor[e].contiguous()
+            continue
         if suffix == "attention.wq.weight":
             tensor = _to_half_split(tensor, args.n_heads)
         elif suffix == "attention.wk.weight":

@@ -48,10 +48,11 @@ def flops_per_token(num_params: int, n_layers: int, n_heads: int, head_dim: int,
 
 
 def model_flops_per_token(model: Transformer, seq_len: int) -> int:
-    """``flops_per_token`` for a whole (unsharded, possibly meta) model."""
+    """``flops_per_token`` for a whole (unsharded, possibly meta) model; an MoE counts the
+    parameters a token uses (top_k of the experts)."""
     args = model.args
-    return flops_per_token(model.num_params(exclude_embedding=True), args.n_layers, args.n_heads,
-                           args.head_dim, seq_len)
+    return flops_per_token(model.num_params(exclude_embedding=True, active=True), args.n_layers,
+                           args.n_heads, args.head_dim, seq_len)
 
 
 def mfu(tokens_per_second_per_device: float, flops_per_token_: int, peak: float) -> float:
@@ -103,7 +104,10 @@ class MetricsLogger:
         self._jsonl.flush()
         if self._writer is not None:
             for key, value in record.items():
-                if key not in ("step", "time"):
+                if isinstance(value, list):  # one scalar per element (MoE tokens per expert)
+                    for i, item in enumerate(value):
+                        self._writer.add_scalar(f"{key}/{i}", item, step)
+                elif key not in ("step", "time"):
                     self._writer.add_scalar(key, value, step)
             self._writer.flush()
         print(self.format_line(step, total_steps, record), flush=True)
@@ -131,6 +135,9 @@ class MetricsLogger:
                  f"{r['tflops_per_device']:.1f} TFLOP/s"]
         if "mfu_percent" in r:
             parts.append(f"MFU {r['mfu_percent']:.1f}%")
+        if "aux_loss" in r:
+            parts.append(f"aux {r['aux_loss']:.3f} z {r['z_loss']:.2f} "
+                         f"imbalance {r['moe_load_imbalance']:.2f}")
         parts += [f"step {r['step_time_s']:.3f}s", f"data {r['data_wait_percent']:.1f}%",
                   f"mem {r['peak_memory_gib']:.1f}GiB",
                   f"{100 * step / total_steps:.0f}% ETA {format_eta(r['eta_s'])}"]

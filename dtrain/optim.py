@@ -103,6 +103,11 @@ def clip_grad_norm_(parameters: list[nn.Parameter], max_norm: float, pp_group=No
     them so the norm is at most ``max_norm``."""
     grads = [p.grad for p in parameters if p.grad is not None]
     norm = grad_norm(grads, pp_group)
-    if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm)
+    if max_norm > 0:  # per mesh: foreach kernels take DTensors of one mesh (MoE experts differ)
+        by_mesh: dict[object, list[nn.Parameter]] = defaultdict(list)
+        for p in parameters:
+            if p.grad is not None:
+                by_mesh[getattr(p.grad, "device_mesh", None)].append(p)
+        for group in by_mesh.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
     return norm

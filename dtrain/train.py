@@ -23,7 +23,14 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from dtrain.checkpoint import Checkpointer, load_model_weights
-from dtrain.config import Config, ConfigError, TrainingConfig, help_text, load_config
+from dtrain.config import (
+    Config,
+    ConfigError,
+    ModelConfig,
+    TrainingConfig,
+    help_text,
+    load_config,
+)
 from dtrain.data.loader import Prefetcher, build_loader
 from dtrain.data.tokenizer import Tokenizer, padded_vocab_size
 from dtrain.metrics import (
@@ -37,6 +44,16 @@ from dtrain.metrics import (
 from dtrain.models import Transformer, model_args
 from dtrain.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from dtrain.parallel import ParallelDims, parallelize
+from dtrain.parallel.context import check_cp, load_balanced_positions
+from dtrain.parallel.expert import (
+    check_ep,
+    gather_moe_stats,
+    moe_layers,
+    moe_record,
+    reset_moe_stats,
+    update_expert_bias,
+)
+from dtrain.parallel.fp8 import check_fp8, convert_to_fp8, fp8_all_gather, precompute_fp8_scales
 from dtrain.parallel.pipeline import (
     Pipeline,
     check_pipeline,
@@ -48,9 +65,11 @@ from dtrain.parallel.pipeline import (
 from dtrain.parallel.tensor import check_async_tp, check_tp
 
 
-def init_distributed(device_kind: str) -> tuple[torch.device, int, int]:
-    """Joins the torchrun process group when there is one (NCCL on GPU, gloo on CPU).
-    Returns (device, rank, world size); a plain ``python`` process is rank 0 of 1."""
+def init_distributed(device_kind: str, cpu_collectives: bool = False
+                     ) -> tuple[torch.device, int, int]:
+    """Joins the torchrun process group when there is one (NCCL on GPU, gloo on CPU; on GPU
+    with ``cpu_collectives`` also gloo for CPU tensors, which asynchronous checkpoint saves
+    need). Returns (device, rank, world size); a plain ``python`` process is rank 0 of 1."""
     use_cuda = device_kind == "cuda" or (device_kind == "auto" and torch.cuda.is_available())
     if device_kind == "cuda" and not torch.cuda.is_available():
         raise ConfigError("training.device = 'cuda' but no CUDA device is visible: use 'auto' "
@@ -61,7 +80,8 @@ def init_distributed(device_kind: str) -> tuple[torch.device, int, int]:
     if use_cuda:
         torch.cuda.set_device(device)
     if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo",
+        backend = ("cuda:nccl,cpu:gloo" if cpu_collectives else "nccl") if use_cuda else "gloo"
+        dist.init_process_group(backend,
                                 device_id=device if use_cuda else None)
     rank = dist.get_rank() if dist.is_initialized() else 0
     return device, rank, world_size
@@ -104,12 +124,13 @@ class Trainer:
 
     def __init__(self, config: Config):
         self.config = cfg = config
-        if cfg.fp8.enabled:
-            raise ConfigError("fp8.enabled = true is not available in this version of dtrain: "
-                              "set fp8.enabled = false")
-        self.device, self.rank, self.world_size = init_distributed(cfg.training.device)
+        async_save = cfg.checkpoint.enabled and cfg.checkpoint.async_save
+        self.device, self.rank, self.world_size = init_distributed(cfg.training.device,
+                                                                   cpu_collectives=async_save)
         self.dims = ParallelDims.from_config(cfg.parallel, self.world_size)
         self.mesh = self.dims.build_mesh(self.device.type) if self.world_size > 1 else None
+        if cfg.fp8.enabled:
+            check_fp8(cfg.fp8, self.device, self.dims.tp, cfg.compile.enabled)
         self.global_batch, self.grad_accum = batch_arithmetic(cfg.training, self.dims.dp)
         torch.manual_seed(cfg.training.seed)
         if cfg.training.deterministic:
@@ -130,6 +151,8 @@ class Trainer:
         args = model_args(cfg.model.name, n_layers=cfg.model.n_layers,
                           vocab_size=cfg.model.vocab_size,
                           attention_backend=cfg.model.attention_backend)
+        if args.n_experts:
+            args = dataclasses.replace(args, **moe_overrides(cfg.model))
         # The embedding and output rows: at least the tokenizer's, padded so they split
         # evenly over tensor-parallel ranks; labels never use the padding rows.
         args.vocab_size = padded_vocab_size(max(args.vocab_size, self.tokenizer.vocab_size),
@@ -143,8 +166,27 @@ class Trainer:
             check_tp(model, self.dims.tp, tcfg.seq_len)
             if cfg.parallel.async_tp:
                 check_async_tp(self.device.type, cfg.compile.enabled)
+        if self.dims.ep > 1:
+            check_ep(model, self.dims.ep)
+        if args.n_experts and self.dims.tp > 1 and self.dims.ep == 1:
+            raise ConfigError("an MoE model with parallel.tp > 1 needs parallel.ep > 1 (the MoE "
+                              "runs on each rank's sequence shard): set parallel.ep")
+        # Context parallel: each rank trains on its two chunks of every sequence, at these
+        # positions (None without it).
+        self.positions = None
+        if self.dims.cp > 1:
+            if self.dims.pp > 1:
+                raise ConfigError("parallel.cp > 1 with parallel.pp > 1 is not available in this "
+                                  "version: set parallel.cp or parallel.pp to 1")
+            check_cp(model, self.dims.cp, self.dims.tp, tcfg.seq_len, cfg.parallel.cp_comm_type)
+            self.positions = load_balanced_positions(
+                tcfg.seq_len, self.dims.cp, self.dims.mesh("cp").get_local_rank()).to(self.device)
         self.num_params = model.num_params()
         self.flops_per_token = model_flops_per_token(model, tcfg.seq_len)
+        fsdp = self.mesh is not None and self.dims.fsdp_enabled
+        # (converted, kept) linear layer names; FP8 all-gather precomputes scales after each step.
+        self.fp8_layers = convert_to_fp8(model, cfg.fp8, fsdp) if cfg.fp8.enabled else None
+        self.fp8_all_gather = fp8_all_gather(cfg.fp8, fsdp)
 
         parts, stage_indices, num_stages = [model], [0], 1
         if self.dims.pp > 1:
@@ -153,7 +195,7 @@ class Trainer:
                 raise ConfigError("validation.enabled with parallel.pp > 1 is not available in "
                                   "this version: set validation.enabled = false")
             check_pipeline(pcfg.pp_schedule, self.dims.pp, pcfg.pp_virtual_stages,
-                           self.grad_accum)
+                           self.grad_accum, cfg.compile.enabled)
             num_stages = self.dims.pp * pcfg.pp_virtual_stages
             specs = parse_layout(pcfg.pp_layout, args.n_layers, num_stages)
             stage_indices = stages_of_rank(self.dims.mesh("pp").get_local_rank(), self.dims.pp,
@@ -166,7 +208,7 @@ class Trainer:
         # Each pipeline stage (or the whole model) is parallelized and initialised alike.
         self.model_parts = [parallelize(part, self.dims, self.mesh, cfg.parallel,
                                         cfg.activation_checkpoint, cfg.compile,
-                                        self.compute_dtype) for part in parts]
+                                        self.compute_dtype, cfg.fp8) for part in parts]
         # FSDP casts parameters itself; without it, autocast gives bf16 compute on fp32 weights.
         self.autocast = bf16 and not (self.mesh is not None and self.dims.fsdp_enabled)
         for part in self.model_parts:
@@ -174,6 +216,9 @@ class Trainer:
             part.init_weights(tcfg.seed, buffer_device=self.device)
             part.train()
         self.model = self.model_parts[0]
+        # MoE aux losses: averaged over the forwards that see different tokens, as the LM loss.
+        for moe in moe_layers(self.model_parts).values():
+            moe.aux_grad_scale = 1 / (self.grad_accum * self.dims.tp)
         # With loss parallel the logits are vocabulary-sharded DTensors: forward, loss and
         # backward run under loss_parallel(), and the loss is left uncompiled.
         self.loss_parallel = self.dims.tp > 1 and cfg.parallel.loss_parallel
@@ -197,7 +242,11 @@ class Trainer:
                 cfg.checkpoint, Path(cfg.job.output_dir) / cfg.job.name, self.model_parts,
                 self.optimizer, self.scheduler, self.loader,
                 data_key=f"dp{dp_rank}" if rank_local else "global")
+            load_start = time.perf_counter()
             self.step = self.checkpointer.load()
+            if self.step and self.rank == 0:
+                print(f"checkpoint step {self.step} loaded in "
+                      f"{time.perf_counter() - load_start:.2f}s", flush=True)
         if cfg.checkpoint.initial_weights and self.step == 0:
             load_model_weights(self.model_parts, cfg.checkpoint.initial_weights)
         self.history: list[dict[str, float]] = []
@@ -215,6 +264,12 @@ class Trainer:
                   f"batch {self.global_batch} x {tcfg.seq_len} tokens = micro "
                   f"{tcfg.micro_batch_size} x dp {self.dims.dp} x accum {self.grad_accum} | "
                   f"{self.compute_dtype} compute | run folder {self.run_dir}", flush=True)
+            if self.fp8_layers is not None:
+                converted, kept = self.fp8_layers
+                print(f"fp8: {cfg.fp8.backend} {cfg.fp8.recipe}"
+                      f"{' with FP8 all-gather' if self.fp8_all_gather else ''} | "
+                      f"{len(converted)} linear layers in FP8, {len(kept)} kept "
+                      f"({', '.join(kept[:4])}{', ...' if len(kept) > 4 else ''})", flush=True)
             if self.pipeline is not None:
                 pcfg = cfg.parallel
                 bubble = ideal_bubble(pcfg.pp_schedule, self.dims.pp, pcfg.pp_virtual_stages,
@@ -249,13 +304,22 @@ class Trainer:
         self.model.eval()  # validation runs without pipeline parallel (refused at start-up)
         total = torch.zeros((), device=self.device)
         for _ in range(steps):
-            inputs, labels = self.val_loader.next_batch()
+            inputs, labels = self._local_tokens(*self.val_loader.next_batch())
             with self._step_context():
-                loss = self.loss_fn(self.model(inputs.to(self.device)), labels.to(self.device))
+                loss = self.loss_fn(self.model(inputs, self.positions), labels)
             total += _plain(loss)
         self.model.train()
         tokens = steps * self.config.training.micro_batch_size * self.dims.dp * seq
         return (self._reduce_sum(total) / tokens).item()
+
+    def _local_tokens(self, inputs: torch.Tensor,
+                      labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A micro-batch on the device, cut to this rank's tokens under context parallel."""
+        inputs = inputs.to(self.device, non_blocking=True)
+        labels = labels.to(self.device, non_blocking=True)
+        if self.positions is None:
+            return inputs, labels
+        return inputs[:, self.positions], labels[:, self.positions]
 
     def _step_context(self):
         """Autocast (bf16 without FSDP) and loss parallel, as the run needs."""
@@ -272,16 +336,25 @@ class Trainer:
             dist.all_reduce(value, group=mesh.get_group())
         return value
 
+    def moe_stats(self) -> torch.Tensor:
+        """The MoE layers' statistics of the last step over all ranks (``gather_moe_stats``)."""
+        groups = [self.dims.mesh(n).get_group() for n in ("dp_cp", "tp", "pp")
+                  if self.dims.mesh(n) is not None]
+        args = self.model.args
+        return gather_moe_stats(self.model_parts, args.n_layers, args.n_experts, groups)
+
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor, float]:
         """One optimizer step over the global batch. Returns (mean token loss, gradient norm)
         as device tensors and the seconds spent waiting for data."""
         tcfg = self.config.training
         tokens = self.global_batch * tcfg.seq_len
-        # Each rank's gradient is averaged over dp by FSDP; scale so the result is the gradient
-        # of the mean token loss over the whole global batch.
-        scale = self.dims.dp / tokens
+        # Each rank's gradient is averaged over dp x cp by FSDP (a cp rank's loss covers only
+        # its tokens); scale so the result is the gradient of the mean token loss over the whole
+        # global batch.
+        scale = self.dims.dp * self.dims.cp / tokens
         loss_sum = torch.zeros((), device=self.device)
         data_wait = 0.0
+        reset_moe_stats(self.model_parts)
         if self.pipeline is not None:
             start = time.perf_counter()
             batches = [self.loader.next_batch() for _ in range(self.grad_accum)]
@@ -294,18 +367,23 @@ class Trainer:
             dist.all_reduce(loss_sum, group=self.dims.mesh("pp").get_group())
         for _ in range(self.grad_accum if self.pipeline is None else 0):
             start = time.perf_counter()
-            inputs, labels = self.loader.next_batch()
-            inputs = inputs.to(self.device, non_blocking=True)
-            labels = labels.to(self.device, non_blocking=True)
+            inputs, labels = self._local_tokens(*self.loader.next_batch())
             data_wait += time.perf_counter() - start
             with self._step_context():
-                loss = self.loss_fn(self.model(inputs), labels)
+                loss = self.loss_fn(self.model(inputs, self.positions), labels)
                 (loss * scale).backward()
             loss_sum += _plain(loss.detach())
         pp_mesh = self.dims.mesh("pp")
         grad_norm = clip_grad_norm_([p for part in self.model_parts for p in part.parameters()],
                                     tcfg.max_norm, pp_mesh.get_group() if pp_mesh else None)
+        if self.checkpointer:
+            self.checkpointer.wait_staged()  # an async save may still be copying the weights
         self.optimizer.step()
+        if self.model.args.n_experts and self.model.args.moe_router == "sigmoid":
+            update_expert_bias(self.model_parts, self.moe_stats(),
+                               self.config.model.moe_bias_update_rate)
+        if self.fp8_all_gather:
+            precompute_fp8_scales(self.model_parts)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return self._reduce_sum(loss_sum) / tokens, grad_norm, data_wait
@@ -363,11 +441,15 @@ class Trainer:
                 record["peak_reserved_gib"] = reserved
             if self.peak_tflops:
                 record["mfu_percent"] = 100 * mfu(tps, self.flops_per_token, self.peak_tflops)
+            # A pipeline's first step also runs each stage once on placeholder inputs (shape
+            # inference), which the MoE statistics would count.
+            if self.model.args.n_experts and not (self.pipeline and self.step == first_step + 1):
+                record.update(moe_record(self.moe_stats()))
             self.history.append({"step": self.step, **record})
             self.metrics.log(self.step, tcfg.steps, record)
             interval_start, interval_steps, data_wait = time.perf_counter(), 0, 0.0
         if self.checkpointer:
-            self.checkpointer.wait()
+            self.checkpointer.close()
         self.loader.close()
         self.metrics.close()
         return self.history
@@ -376,6 +458,19 @@ class Trainer:
         """Leaves the process group (for notebooks that build several trainers)."""
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def moe_overrides(cfg: ModelConfig) -> dict[str, object]:
+    """``LlamaArgs`` fields an MoE preset takes from the [model] section."""
+    fields: dict[str, object] = {"moe_capacity_factor": cfg.moe_capacity_factor,
+                                 "moe_gemm": cfg.moe_gemm}
+    if cfg.moe_aux_loss_coeff >= 0:
+        fields["moe_aux_loss_coeff"] = cfg.moe_aux_loss_coeff
+    if cfg.moe_z_loss_coeff >= 0:
+        fields["moe_z_loss_coeff"] = cfg.moe_z_loss_coeff
+    if cfg.moe_router != "preset":
+        fields["moe_router"] = cfg.moe_router
+    return fields
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -78,3 +78,18 @@ def run_distributed(tmp_path: Path, nproc: int, specs: list[dict]) -> list[dict]
         capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-4000:]
     return json.loads((tmp_path / "out.json").read_text())
+
+
+# MoE parity configuration: BASE on mixtral_debug (8 experts, top-2 softmax routing, dropless)
+# with the load-balancing loss (the preset's 0.01) and a router z-loss in the gradient, 5 steps.
+MOE = {**BASE, "model.name": "mixtral_debug", "model.moe_z_loss_coeff": 1e-3,
+       "training.steps": 5}
+
+
+@pytest.fixture(scope="session")
+def moe_reference(tmp_path_factory):
+    """The single-process MoE run expert-parallel layouts are compared with."""
+    from dtrain import Trainer, load_config
+
+    out = tmp_path_factory.mktemp("moe_ref")
+    return Trainer(load_config("debug", {**MOE, "job.output_dir": str(out)})).train()

@@ -3,10 +3,11 @@
 import shutil
 
 import pytest
+import torch
 from conftest import BASE, REL, run_distributed
 
 from dtrain import Trainer, load_config
-from dtrain.checkpoint import checkpoint_steps
+from dtrain.checkpoint import Checkpointer, checkpoint_steps
 from dtrain.config import ConfigError
 
 CKPT = {**BASE, "checkpoint.enabled": True, "checkpoint.interval": 5}
@@ -39,6 +40,24 @@ def test_resume_continues_bitwise(tmp_path, async_save):
     assert resumed.step == 10
     assert losses(first) + losses(resumed.train()) == losses(reference)
     assert checkpoint_steps(tmp_path / "debug" / "checkpoints") == [10, 15, 20]
+
+
+def test_resume_restores_the_random_generator(tmp_path, monkeypatch):
+    save = Checkpointer.save
+
+    def save_after_drawing(self, step):
+        torch.rand(16)  # moves the generator away from its seeded state before the save
+        save(self, step)
+
+    monkeypatch.setattr(Checkpointer, "save", save_after_drawing)
+    trainer(tmp_path, 10).train(until=5)
+    saved = torch.get_rng_state()
+    monkeypatch.undo()
+    resumed = trainer(tmp_path, 10)  # seeds from training.seed, then loads the checkpoint
+    assert resumed.step == 5
+    assert torch.equal(torch.get_rng_state(), saved)
+    torch.manual_seed(resumed.config.training.seed)
+    assert not torch.equal(torch.get_rng_state(), saved)
 
 
 def test_keep_last_and_load_step(tmp_path):
@@ -120,3 +139,15 @@ def test_rerun_after_finishing_does_nothing_more(tmp_path):
     assert again.step == 5 and again.train() == []
     shutil.rmtree(tmp_path / "debug" / "checkpoints")
     assert trainer(tmp_path, 5).step == 0
+
+
+def test_expert_parallel_2_resumes_as_expert_parallel_4(tmp_path, moe_reference):
+    # The experts' [n_experts, ...] tensors are saved whole: 4 experts per rank, then 2.
+    from conftest import MOE
+
+    common = {**MOE, "checkpoint.enabled": True, "checkpoint.interval": 3,
+              "job.output_dir": str(tmp_path), "job.name": "run"}
+    run_distributed(tmp_path / "a", 2, [{**common, "parallel.ep": 2, "_until": 3}])
+    (run,) = run_distributed(tmp_path / "b", 4, [{**common, "parallel.ep": 4}])
+    assert [r["step"] for r in run["history"]] == [4, 5]
+    assert losses(run["history"]) == pytest.approx(losses(moe_reference)[3:], rel=REL)

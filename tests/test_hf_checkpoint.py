@@ -1,5 +1,6 @@
-"""HF transformers LLaMA checkpoints: import gives HF's logits, export loads in transformers with
-the same logits, a run starts from imported weights, and damaged folders are clear errors."""
+"""HF transformers LLaMA and Mixtral checkpoints: import gives HF's logits, export loads in
+transformers with the same logits, a run starts from imported weights, and damaged folders are
+clear errors."""
 
 import json
 
@@ -91,7 +92,7 @@ def test_missing_shard_and_damaged_file_are_clear_errors(tmp_path):
 
 def test_non_llama_config_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
-    with pytest.raises(ConfigError, match="only LLaMA checkpoints"):
+    with pytest.raises(ConfigError, match="only LLaMA and Mixtral checkpoints"):
         import_hf(tmp_path, tmp_path / "ckpt")
 
 
@@ -145,3 +146,29 @@ def test_convert_tool_round_trip_and_export_of_a_training_checkpoint(tmp_path):
     tokens = torch.randint(0, 4096, (1, 16))
     with torch.no_grad():
         assert (exported(tokens).logits - trainer.model(tokens)).abs().max().item() < ATOL
+
+
+def test_mixtral_import_matches_hf_logits_and_export_loads_in_transformers(tmp_path):
+    config = transformers.MixtralConfig(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=256, num_local_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=128, rms_norm_eps=1e-5, rope_theta=1e6)
+    torch.manual_seed(0)
+    hf = transformers.MixtralForCausalLM(config).eval()
+    hf.save_pretrained(tmp_path / "hf", safe_serialization=True, max_shard_size="60KB")
+    assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    args = import_hf(tmp_path / "hf", tmp_path / "ckpt")
+    assert (args.n_experts, args.moe_top_k, args.expert_dim) == (4, 2, 96)
+    ours = load_model(tmp_path / "ckpt", args).eval()
+    tokens = torch.randint(0, 256, (2, 40))
+    with torch.no_grad():
+        want = hf(tokens).logits
+        got = ours(tokens)
+    assert (got - want).abs().max().item() < ATOL
+
+    export_hf(ours, tmp_path / "out", torch.float32)
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert isinstance(back, transformers.MixtralForCausalLM)
+    with torch.no_grad():
+        again = back(tokens).logits
+    assert (again - want).abs().max().item() < ATOL

@@ -93,6 +93,14 @@ def test_impossible_pipelines_are_config_errors(schedule, virtual, micro, messag
         check_pipeline(schedule, pp=4, virtual=virtual, microbatches=micro)
 
 
+@pytest.mark.parametrize("schedule", ["InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"])
+def test_split_backward_schedules_refuse_compile(schedule):
+    with pytest.raises(ConfigError, match="set compile.enabled = false"):
+        check_pipeline(schedule, pp=2, virtual=2, microbatches=8, compiled=True)
+    check_pipeline(schedule, pp=2, virtual=2, microbatches=8, compiled=False)
+    check_pipeline("Interleaved1F1B", pp=2, virtual=2, microbatches=8, compiled=True)
+
+
 def test_ideal_bubble():
     assert ideal_bubble("1F1B", pp=4, virtual=1, microbatches=12) == pytest.approx(3 / 12)
     assert ideal_bubble("Interleaved1F1B", 4, 2, 12) == pytest.approx(3 / 24)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +18,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dtrain.models import init
+from dtrain.models.moe import MoE
 
 
 @dataclass
@@ -35,6 +37,17 @@ class LlamaArgs:
     tie_embeddings: bool = False
     attention_backend: str = "auto"
     ffn_hidden_size: int | None = None  # explicit FFN width (HF checkpoints); else Llama's rule
+    # Mixture of experts (dtrain.models.moe): n_experts > 0 replaces every block's feed-forward.
+    n_experts: int = 0
+    moe_top_k: int = 2
+    moe_hidden_size: int | None = None  # each expert's width; else ffn_dim
+    moe_router: str = "softmax"  # softmax (Mixtral) or sigmoid with expert bias (DeepSeek)
+    moe_norm_topk: bool = True  # renormalise the top-k softmax weights to sum to one
+    moe_shared_hidden: int = 0  # width of a shared expert every token takes (0: none)
+    moe_capacity_factor: float = 0.0  # 0: dropless
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: float = 0.0
+    moe_gemm: str = "auto"  # auto (grouped GEMM where fast), grouped, loop
 
     @property
     def head_dim(self) -> int:
@@ -54,6 +67,10 @@ class LlamaArgs:
         if self.ffn_dim_multiplier is not None:
             hidden = int(self.ffn_dim_multiplier * hidden)
         return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+
+    @property
+    def expert_dim(self) -> int:
+        return self.moe_hidden_size or self.ffn_dim
 
 
 @dataclass
@@ -116,6 +133,27 @@ _BACKENDS = {
 }
 
 
+def expand_kv(k: torch.Tensor, v: torch.Tensor,
+              repeat: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Grouped-query attention: each KV head of k, v (batch, seq, kv_heads, head_dim) serves
+    ``repeat`` query heads. expand + reshape, not repeat_interleave: its backward is a sum,
+    not a scatter-add."""
+    if repeat == 1:
+        return k, v
+    return tuple(t.unsqueeze(3).expand(-1, -1, -1, repeat, -1).flatten(2, 3) for t in (k, v))
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     backends: list[SDPBackend]) -> torch.Tensor:
+    """Causal attention of the whole sequence: q (batch, seq, heads, head_dim), k and v with
+    the KV heads -> (batch, seq, heads, head_dim), through SDPA with the given kernels."""
+    k, v = expand_kv(k, v, q.shape[2] // k.shape[2])
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    with sdpa_kernel(backends, set_priority=True) if q.is_cuda else contextlib.nullcontext():
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return out.transpose(1, 2)
+
+
 class Attention(nn.Module):
     def __init__(self, args: LlamaArgs):
         super().__init__()
@@ -125,6 +163,8 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        # (q, k, v) -> output, all (batch, seq, heads, head_dim); context parallel replaces it.
+        self.core_attention = partial(causal_attention, backends=self.backends)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
@@ -133,16 +173,8 @@ class Attention(nn.Module):
         k = self.wk(x).view(batch, seq, -1, self.head_dim)
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
-        repeat = q.shape[2] // k.shape[2]
-        if repeat > 1:  # grouped-query attention: each KV head serves `repeat` query heads
-            # expand + reshape, not repeat_interleave: its backward is a sum, not a scatter-add
-            k = k.unsqueeze(3).expand(-1, -1, -1, repeat, -1).flatten(2, 3)
-            v = v.unsqueeze(3).expand(-1, -1, -1, repeat, -1).flatten(2, 3)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        cuda = x.is_cuda
-        with sdpa_kernel(self.backends, set_priority=True) if cuda else contextlib.nullcontext():
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+        out = self.core_attention(q, k, v)
+        return self.wo(out.reshape(batch, seq, -1))
 
 
 class FeedForward(nn.Module):
@@ -165,7 +197,10 @@ class TransformerBlock(nn.Module):
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.feed_forward = FeedForward(args.dim, args.ffn_dim)
+        self.feed_forward = FeedForward(args.dim, args.ffn_dim) if not args.n_experts else MoE(
+            args.dim, args.expert_dim, args.n_experts, args.moe_top_k, args.moe_router,
+            args.moe_norm_topk, args.moe_shared_hidden, args.moe_capacity_factor,
+            args.moe_aux_loss_coeff, args.moe_z_loss_coeff, args.moe_gemm)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), rope)
@@ -186,12 +221,15 @@ class Transformer(nn.Module):
         self.register_buffer("rope", rope_cache(args.max_seq_len, args.head_dim, args.rope_theta,
                                                 args.rope_scaling), persistent=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (batch, seq) int64 -> logits (batch, seq, vocab); a pipeline stage without
-        embeddings takes hidden states, one without ``output`` returns them."""
+        embeddings takes hidden states, one without ``output`` returns them. ``positions``
+        (seq,) int64: the tokens' places in the whole sequence (context parallel holds parts of
+        it); None means 0..seq-1."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        rope = self.rope if positions is None else self.rope[positions]
         for layer in self.layers.values():
-            h = layer(h, self.rope)
+            h = layer(h, rope)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 
@@ -202,30 +240,41 @@ class Transformer(nn.Module):
 
         Scheme: embeddings N(0, 1) (N(0, 0.02) when tied to the output); q/k/v/w1 N(0, 0.02);
         wo/w2/w3 N(0, 0.02 / sqrt(2 (l + 1))) (depth-scaled); output N(0, dim^-1/2); all
-        truncated at 3 sigma except the embeddings."""
+        truncated at 3 sigma except the embeddings. MoE: the router gate N(0, 0.02), experts'
+        w1/w2/w3 as the dense ones (each ``[n_experts, ...]`` tensor is one parameter)."""
         args = self.args
         device = buffer_device or self.rope.device
         self.rope = rope_cache(args.max_seq_len, args.head_dim, args.rope_theta,
                                args.rope_scaling).to(device)
         for name, param in self.named_parameters():
             name = canonical_name(name)
-            leaf = name.rsplit(".", 2)[-2]
+            leaf = name.rsplit(".", 2)[-2] if name.endswith(".weight") else name.rsplit(".")[-1]
             if "norm" in leaf:
                 init.constant_(param, 1.0)
             elif leaf == "tok_embeddings":  # also the output layer when tied: keep logits small
                 init.normal_(param, 0.02 if args.tie_embeddings else 1.0, seed, name)
             elif leaf == "output":
                 init.normal_(param, args.dim ** -0.5, seed, name, cutoff=3.0)
-            elif leaf in ("wq", "wk", "wv", "w1"):
+            elif leaf in ("wq", "wk", "wv", "w1", "gate"):
                 init.normal_(param, 0.02, seed, name, cutoff=3.0)
             else:  # wo, w2, w3
                 layer_id = int(name.split(".")[1])
                 init.normal_(param, 0.02 / math.sqrt(2 * (layer_id + 1)), seed, name, cutoff=3.0)
+        for module in self.modules():  # buffers that to_empty left uninitialised
+            if isinstance(module, MoE):
+                module.reset_stats()
+                if module.router.score == "sigmoid":
+                    module.router.expert_bias.zero_()
 
-    def num_params(self, exclude_embedding: bool = False) -> int:
+    def num_params(self, exclude_embedding: bool = False, active: bool = False) -> int:
         """Parameter count (shared weights once); with exclude_embedding, without the input
-        embedding table unless it is tied to the output layer."""
-        total = sum(p.numel() for p in self.parameters())
+        embedding table unless it is tied to the output layer; with ``active``, counting the
+        routed experts' weights by the share a token uses (top_k / n_experts)."""
+        total = 0
+        for name, p in self.named_parameters():
+            routed = active and ".experts." in canonical_name(name)
+            total += p.numel() * self.args.moe_top_k // self.args.n_experts if routed \
+                else p.numel()
         if exclude_embedding and self.tok_embeddings is not None and not self.args.tie_embeddings:
             total -= self.tok_embeddings.weight.numel()
         return total

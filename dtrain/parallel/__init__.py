@@ -5,11 +5,14 @@ from __future__ import annotations
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from dtrain.config import ActivationCheckpointConfig, CompileConfig, ParallelConfig
+from dtrain.config import ActivationCheckpointConfig, CompileConfig, FP8Config, ParallelConfig
 from dtrain.models.llama import Transformer
 from dtrain.parallel.activation_checkpoint import apply_activation_checkpointing
 from dtrain.parallel.compile import apply_compile
+from dtrain.parallel.context import apply_cp
 from dtrain.parallel.dims import ParallelDims
+from dtrain.parallel.expert import apply_ep
+from dtrain.parallel.fp8 import float8_tensor_parallel
 from dtrain.parallel.fsdp import apply_fsdp
 from dtrain.parallel.tensor import apply_tp, enable_async_tp
 
@@ -18,20 +21,30 @@ __all__ = ["ParallelDims", "parallelize"]
 
 def parallelize(model: Transformer, dims: ParallelDims, mesh: DeviceMesh | None,
                 parallel: ParallelConfig, ac: ActivationCheckpointConfig,
-                compile: CompileConfig, param_dtype: torch.dtype) -> Transformer:
-    """Applies, in order: tensor/sequence parallel -> activation checkpointing -> torch.compile
-    per block -> FSDP2/HSDP. ``mesh`` is None for a single process. ``param_dtype`` is the
-    compute dtype FSDP casts to (without FSDP the trainer uses autocast). Returns the same
+                compile: CompileConfig, param_dtype: torch.dtype,
+                fp8: FP8Config | None = None) -> Transformer:
+    """Applies, in order: tensor/sequence parallel -> expert parallel -> context parallel
+    attention -> activation checkpointing -> torch.compile per block -> FSDP2/HSDP (over
+    dp_shard x cp; MoE experts over the data ranks outside ep). ``mesh`` is
+    None for a single process. ``param_dtype`` is the compute dtype FSDP casts to (without
+    FSDP the trainer uses autocast). ``fp8``: the model's linears were converted
+    (``fp8.convert_to_fp8``), so TP takes the float8 styles where they apply. Returns the same
     module, modified in place."""
     if dims.tp > 1:
-        apply_tp(model, dims.mesh("tp"), parallel.loss_parallel)
+        apply_tp(model, dims.mesh("tp"), parallel.loss_parallel, float8_tensor_parallel(fp8))
         if parallel.async_tp:
             enable_async_tp(dims.mesh("tp"))
+    if dims.ep > 1:
+        apply_ep(model, dims.mesh("ep"))
+    if dims.cp > 1:
+        apply_cp(model, dims.mesh("cp"), parallel.cp_comm_type)
     apply_activation_checkpointing(model, ac)
     if compile.enabled:
-        apply_compile(model)
+        # MoE layers read their expert counts on the host (loop or all-to-all splits).
+        apply_compile(model, fullgraph=dims.cp == 1 and not model.args.n_experts)
     if mesh is not None and dims.fsdp_enabled:
         reduce_dtype = torch.float32 if parallel.fsdp_reduce_dtype == "fp32" else torch.bfloat16
         apply_fsdp(model, dims.fsdp_mesh(), param_dtype, reduce_dtype,
-                   parallel.fsdp_reshard_after_forward, parallel.fsdp_cpu_offload)
+                   parallel.fsdp_reshard_after_forward, parallel.fsdp_cpu_offload,
+                   dims.mesh("ep_fsdp"), dims.mesh("moe_fsdp"))
     return model

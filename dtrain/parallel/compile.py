@@ -7,8 +7,9 @@ import torch
 from dtrain.models.llama import Transformer
 
 
-def apply_compile(model: Transformer) -> None:
-    """Wraps each block in ``torch.compile(fullgraph=True)`` (names gain ``_orig_mod``, which
-    ``canonical_name`` removes). Applied after checkpointing and before FSDP."""
+def apply_compile(model: Transformer, fullgraph: bool = True) -> None:
+    """Wraps each block in ``torch.compile`` (names gain ``_orig_mod``, which ``canonical_name``
+    removes). Applied after checkpointing and before FSDP. ``fullgraph=False`` lets the block
+    break around code compile must not trace (context-parallel attention's communication)."""
     for name, block in list(model.layers.items()):
-        model.layers[name] = torch.compile(block, fullgraph=True)
+        model.layers[name] = torch.compile(block, fullgraph=fullgraph)

@@ -5,17 +5,25 @@ from __future__ import annotations
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard
 
 from dtrain.models.llama import Transformer
+from dtrain.models.moe import MoE
 
 
 def apply_fsdp(model: Transformer, mesh: DeviceMesh, param_dtype: torch.dtype,
                reduce_dtype: torch.dtype, reshard_after_forward: str = "default",
-               cpu_offload: bool = False) -> None:
+               cpu_offload: bool = False, expert_mesh: DeviceMesh | None = None,
+               router_mesh: DeviceMesh | None = None) -> None:
     """Shards each transformer block, the embeddings and the final norm + output layer as their
     own FSDP units, then the root. ``mesh`` is 1-D (FSDP) or 2-D ``(replicate, shard)`` (HSDP).
     Parameters become DTensors sharded on dim 0; compute uses ``param_dtype`` and gradients are
-    reduced in ``reduce_dtype``."""
+    reduced in ``reduce_dtype``.
+
+    MoE layers under expert or tensor parallel get units of their own: the experts over
+    ``expert_mesh`` (the data ranks outside ep, and tp), the router and shared expert over
+    ``router_mesh`` (with tp > 1: tp ranks route different tokens). Their gradients are summed
+    over those ranks and divided by the data-parallel degree, as the other weights'."""
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     common = {"mesh": mesh, "mp_policy": mp}
     if cpu_offload:
@@ -24,6 +32,8 @@ def apply_fsdp(model: Transformer, mesh: DeviceMesh, param_dtype: torch.dtype,
     for i, block in enumerate(blocks):
         last = i == len(blocks) - 1
         reshard = {"always": True, "never": False, "default": not last}[reshard_after_forward]
+        for moe in [m for m in block.modules() if isinstance(m, MoE)]:
+            _shard_moe(moe, expert_mesh, router_mesh, mesh.size(), reshard, common)
         fully_shard(block, reshard_after_forward=reshard, **common)
     if not model.args.tie_embeddings:  # a tied table must live in one unit: leave it to the root
         if model.tok_embeddings is not None:
@@ -33,3 +43,29 @@ def apply_fsdp(model: Transformer, mesh: DeviceMesh, param_dtype: torch.dtype,
         if tail:
             fully_shard(tail, reshard_after_forward=reshard_after_forward == "always", **common)
     fully_shard(model, reshard_after_forward=reshard_after_forward == "always", **common)
+
+
+def _shard_moe(moe: MoE, expert_mesh: DeviceMesh | None, router_mesh: DeviceMesh | None,
+               dp_degree: int, reshard: bool, common: dict) -> None:
+    """FSDP units for one MoE layer's experts and router (see ``apply_fsdp``)."""
+    options = {k: v for k, v in common.items() if k != "mesh"}
+    if expert_mesh is not None:
+        local = moe.experts.w1.to_local().shape[0] if hasattr(moe.experts.w1, "to_local") \
+            else moe.experts.w1.shape[0]
+        # Fewer local experts than shards: shard each expert's hidden dimension instead.
+        placement = Shard(0) if local % expert_mesh.size() == 0 else Shard(1)
+        fully_shard(moe.experts, mesh=expert_mesh, reshard_after_forward=reshard,
+                    shard_placement_fn=lambda param: placement, **options)
+        _divide_gradients(moe.experts, dp_degree, expert_mesh)
+    if router_mesh is not None:
+        units = [m for m in (moe.router, moe.shared_expert) if m is not None]
+        fully_shard(units, mesh=router_mesh, reshard_after_forward=reshard, **options)
+        _divide_gradients(moe.router, dp_degree, router_mesh)
+
+
+def _divide_gradients(unit, factor: int, mesh: DeviceMesh) -> None:
+    """Reduced gradients of ``unit`` are summed and divided by ``factor`` (not the mesh size)."""
+    unit.set_gradient_divide_factor(factor)
+    # gloo has no pre-multiplied sum: sum, then divide (one rank: FSDP divides without comms)
+    if mesh.device_type != "cuda" and mesh.size() > 1:
+        unit.set_force_sum_reduction_for_comms(True)

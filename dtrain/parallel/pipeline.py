@@ -37,6 +37,9 @@ SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBu
              "ZBVZeroBubble", "DualPipeV")
 V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 SINGLE_STAGE = ("GPipe", "1F1B")
+# Schedules that split the backward into input- and weight-gradient passes; torch runs them
+# only on uncompiled stages.
+SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
 
 @dataclass(frozen=True)
@@ -100,11 +103,17 @@ def stages_of_rank(pp_rank: int, pp: int, virtual: int, schedule: str) -> list[i
     return [pp_rank + v * pp for v in range(virtual)]
 
 
-def check_pipeline(schedule: str, pp: int, virtual: int, microbatches: int) -> None:
-    """Raises ConfigError for a schedule that cannot run with these numbers."""
+def check_pipeline(schedule: str, pp: int, virtual: int, microbatches: int,
+                   compiled: bool = False) -> None:
+    """Raises ConfigError for a schedule that cannot run with these numbers (or, for the
+    split-backward schedules, with ``compile.enabled``)."""
     if schedule not in SCHEDULES:
         raise ConfigError(f"parallel.pp_schedule = {schedule!r} is not a schedule: use one of "
                           f"{', '.join(SCHEDULES)}")
+    if compiled and schedule in SPLIT_BACKWARD:
+        raise ConfigError(f"parallel.pp_schedule = {schedule!r} splits the backward pass, which "
+                          "torch's pipelining runs only on uncompiled stages: set "
+                          "compile.enabled = false, or use Interleaved1F1B or 1F1B")
     if schedule in SINGLE_STAGE and virtual != 1:
         raise ConfigError(f"parallel.pp_schedule = {schedule!r} runs one stage per rank: set "
                           "parallel.pp_virtual_stages = 1, or pick an interleaved schedule")

@@ -13,10 +13,12 @@ vocabulary shards and full logits are never gathered.
 from __future__ import annotations
 
 import torch
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
@@ -25,6 +27,7 @@ from torch.distributed.tensor.parallel import (
 
 from dtrain.config import ConfigError
 from dtrain.models.llama import Transformer
+from dtrain.models.moe import MoE
 
 
 def check_tp(model: Transformer, tp: int, seq_len: int) -> None:
@@ -48,10 +51,11 @@ def check_async_tp(device_type: str, compiled: bool) -> None:
                           "parallel.async_tp = false")
 
 
-def apply_tp(model: Transformer, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
+def apply_tp(model: Transformer, tp_mesh: DeviceMesh, loss_parallel: bool,
+             float8: bool = False) -> None:
     """Shards ``model`` in place over ``tp_mesh``. With ``loss_parallel`` the model returns
     vocabulary-sharded logits as a DTensor (compute the loss under ``loss_parallel()``);
-    otherwise it returns full logits as a plain tensor."""
+    otherwise it returns full logits as a plain tensor. ``float8``: see ``block_plan``."""
     top: dict[str, object] = {}
     if model.tok_embeddings is not None:
         top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(),
@@ -65,22 +69,64 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, loss_parallel: bool) -> No
                                         use_local_output=not loss_parallel)
     parallelize_module(model, tp_mesh, top)
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, {
-            "attention_norm": SequenceParallel(),
-            # The second input is the RoPE table, the same on every rank.
-            "attention": PrepareModuleInput(input_layouts=(Shard(1), None),
-                                            desired_input_layouts=(Replicate(), None)),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-            "ffn_norm": SequenceParallel(),
-            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
-                                               desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-            "feed_forward.w3": ColwiseParallel(),
-        })
+        parallelize_module(block, tp_mesh, block_plan(block, float8))
+
+
+def block_plan(block: nn.Module, float8: bool = False) -> dict[str, ParallelStyle]:
+    """The TP plan of one transformer block. With ``float8`` (torchao tensorwise scaling), the
+    FP8 linears take torchao's float8 styles: activations are cast to FP8 before the sequence
+    all-gather, so it moves half the bytes. A module's input is all-gathered in FP8 only when
+    every linear that reads it is FP8."""
+    colwise, rowwise, prepare = ColwiseParallel, RowwiseParallel, PrepareModuleInput
+    fp8: set[str] = set()
+    if float8:
+        from torchao.float8.float8_linear import Float8Linear
+        from torchao.float8.float8_tensor_parallel import (
+            Float8ColwiseParallel,
+            Float8RowwiseParallel,
+            PrepareFloat8ModuleInput,
+        )
+
+        fp8 = {name for name, m in block.named_modules() if isinstance(m, Float8Linear)}
+        colwise, rowwise, prepare = Float8ColwiseParallel, Float8RowwiseParallel, \
+            PrepareFloat8ModuleInput
+
+    def col(name: str) -> ParallelStyle:
+        return (colwise if name in fp8 else ColwiseParallel)()
+
+    def row(name: str) -> ParallelStyle:
+        return (rowwise if name in fp8 else RowwiseParallel)(output_layouts=Shard(1))
+
+    def gather(readers: list[str], layouts: tuple, desired: tuple) -> ParallelStyle:
+        style = prepare if all(name in fp8 for name in readers) else PrepareModuleInput
+        return style(input_layouts=layouts, desired_input_layouts=desired)
+
+    plan = {
+        "attention_norm": SequenceParallel(),
+        # The second input is the RoPE table, the same on every rank.
+        "attention": gather(["attention.wq", "attention.wk", "attention.wv"],
+                            (Shard(1), None), (Replicate(), None)),
+        "attention.wq": col("attention.wq"),
+        "attention.wk": col("attention.wk"),
+        "attention.wv": col("attention.wv"),
+        "attention.wo": row("attention.wo"),
+        "ffn_norm": SequenceParallel(),
+        "feed_forward": gather(["feed_forward.w1", "feed_forward.w3"],
+                               (Shard(1),), (Replicate(),)),
+        "feed_forward.w1": col("feed_forward.w1"),
+        "feed_forward.w2": row("feed_forward.w2"),
+        "feed_forward.w3": col("feed_forward.w3"),
+    }
+    if isinstance(block.feed_forward, MoE):
+        # Tokens stay sequence-sharded through the MoE: each rank routes and dispatches its own
+        # tokens (to the experts' ranks over ep), so the MoE runs on local tensors (and returns
+        # the local shard of the residual stream, as the row-parallel layers do) and its
+        # weights are not split over tp; their gradients are summed over the tp ranks by the
+        # MoE's own FSDP units (dtrain.parallel.fsdp).
+        plan = {k: v for k, v in plan.items() if not k.startswith("feed_forward")}
+        plan["feed_forward"] = PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_output=True)
+    return plan
 
 
 def enable_async_tp(tp_mesh: DeviceMesh) -> None:

@@ -1,0 +1,223 @@
+"""Mixture-of-experts feed-forward (Mixtral, DeepSeek style), single-device code: expert parallel
+is applied from outside (``dtrain.parallel.expert``) around the ``experts`` module.
+
+A token's hidden state goes to ``top_k`` of ``n_experts`` SwiGLU experts chosen by a router:
+
+- ``softmax`` (Mixtral): probabilities over the experts, the top k taken and renormalised to sum
+  to one. ``sigmoid`` (DeepSeek-V3): independent scores; the top k of score + ``expert_bias`` are
+  taken (the bias only steers the choice, aux-loss-free balancing) and their scores normalised.
+- Load-balancing loss (Switch/Megatron): ``E * sum_e f_e * P_e``, with ``f_e`` the share of the
+  k x T assignments that chose expert e and ``P_e`` the mean router score of e over the T tokens
+  (1.0 when perfectly balanced). Router z-loss (ST-MoE): the mean over tokens of
+  ``logsumexp(logits)^2``. Both are computed per forward (a micro-batch on one rank) and enter the
+  gradient through ``AuxLoss``: the forward output is unchanged, backward adds
+  ``coeff * grad_scale`` times their gradients, so the training loss reported stays the plain LM
+  loss.
+- Dropless by default; with ``capacity_factor > 0`` each expert takes at most
+  ``ceil(capacity_factor * T * k / E)`` assignments, the earlier tokens first, and the rest are
+  dropped (they contribute nothing from that expert; the residual stream carries them on).
+- Experts are three ``[n_experts, ...]`` parameters (``w1``, ``w3``: ``[E, hidden, dim]``,
+  ``w2``: ``[E, dim, hidden]``), computed on tokens sorted by expert with one grouped GEMM per
+  matrix (``torch._grouped_mm``; bf16 on CUDA sm90+) or a loop over experts elsewhere.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The part of a parameter this process holds (all of it unless expert parallel split it)."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def grouped_mm_available(x: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` has a fast kernel for ``x``: bf16 on CUDA sm90 or newer."""
+    return (hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(x.device) >= (9, 0))
+
+
+def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                   w3: torch.Tensor) -> torch.Tensor:
+    """SwiGLU of each expert on its rows of ``x`` (rows sorted by expert, ``counts[e]`` rows for
+    expert e) with ``torch._grouped_mm``: no host sync. Rows past ``counts.sum()`` are
+    unspecified in the output."""
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    h = (F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs))
+         * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs))
+    return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
+
+
+def looped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                  w3: torch.Tensor) -> torch.Tensor:
+    """The same as ``grouped_swiglu`` with one matmul per expert (any device and dtype; one host
+    sync to read the counts). Rows past ``counts.sum()`` are zero."""
+    outs, start = [], 0
+    for e, n in enumerate(counts.tolist()):
+        rows = x[start:start + n]
+        outs.append((F.silu(rows @ w1[e].t()) * (rows @ w3[e].t())) @ w2[e].t())
+        start += n
+    out = torch.cat(outs) if outs else x.new_zeros(0, w2.shape[1])
+    return F.pad(out, (0, 0, 0, x.shape[0] - start))
+
+
+class GroupedExperts(nn.Module):
+    """``n_experts`` SwiGLU feed-forwards stored as ``[n_experts, ...]`` parameters. Input: tokens
+    sorted by expert and the count per expert; output: each token's expert output, same order."""
+
+    def __init__(self, dim: int, hidden: int, n_experts: int, gemm: str = "auto"):
+        super().__init__()
+        self.gemm = gemm  # auto (grouped where fast), grouped, loop
+        self.w1 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+        self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))
+        self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
+        grouped = self.gemm == "grouped" or (self.gemm == "auto" and grouped_mm_available(x))
+        return (grouped_swiglu if grouped else looped_swiglu)(x, counts, w1, w2, w3)
+
+
+class Router(nn.Module):
+    """Scores each token against every expert and picks ``top_k``."""
+
+    def __init__(self, dim: int, n_experts: int, top_k: int, score: str = "softmax",
+                 norm_topk: bool = True):
+        super().__init__()
+        if score not in ("softmax", "sigmoid"):
+            raise ValueError(f"router score {score!r}: use softmax or sigmoid")
+        self.top_k, self.score, self.norm_topk = top_k, score, norm_topk
+        self.gate = nn.Linear(dim, n_experts, bias=False)
+        if score == "sigmoid":  # aux-loss-free balancing: steers the choice, not the weights
+            self.register_buffer("expert_bias", torch.zeros(n_experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x (tokens, dim) -> (logits, scores) (tokens, experts) in fp32, the chosen experts
+        (tokens, top_k) and their weights (tokens, top_k)."""
+        logits = self.gate(x).float()
+        if self.score == "softmax":
+            scores = logits.softmax(dim=-1)
+            chosen = scores.topk(self.top_k, dim=-1).indices
+        else:
+            scores = logits.sigmoid()
+            chosen = (scores.detach() + self.expert_bias).topk(self.top_k, dim=-1).indices
+        weights = scores.gather(-1, chosen)
+        if self.norm_topk or self.score == "sigmoid":
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return logits, scores, chosen, weights
+
+
+def load_balancing_loss(scores: torch.Tensor, counts: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Switch/Megatron auxiliary loss ``E * sum_e f_e P_e``: ``f_e = counts[e] / (T k)`` (counts
+    of assignments before any drop), ``P_e`` the mean over tokens of ``scores[:, e]`` (scores
+    normalised per token for sigmoid routers). 1.0 when perfectly balanced."""
+    tokens, n_experts = scores.shape
+    probs = scores / scores.sum(dim=-1, keepdim=True)
+    return n_experts * (counts.to(probs.dtype) / (tokens * top_k) * probs.mean(0)).sum()
+
+
+def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """ST-MoE z-loss: mean over tokens of logsumexp(logits)^2 (keeps router logits small)."""
+    return torch.logsumexp(logits, dim=-1).square().mean()
+
+
+class AuxLoss(torch.autograd.Function):
+    """Identity on ``out``; backward also sends gradient ``scale`` into ``loss``, so the loss is
+    optimised without being added to the reported training loss (works through pipeline
+    stages and activation checkpointing alike)."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, loss: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        ctx.loss_meta = (loss.shape, loss.dtype, loss.device)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        shape, dtype, device = ctx.loss_meta
+        return grad, torch.full(shape, ctx.scale, dtype=dtype, device=device), None
+
+
+class MoE(nn.Module):
+    """The MoE feed-forward of one block: router, ``experts`` (a ``GroupedExperts``) and an
+    optional shared expert that every token goes through. A training ``forward`` (grad enabled)
+    keeps statistics in buffers for logging: tokens routed to each expert and the sums of the aux
+    and z losses (``stats()`` reads them, ``reset_stats()`` clears them)."""
+
+    def __init__(self, dim: int, hidden: int, n_experts: int, top_k: int, score: str = "softmax",
+                 norm_topk: bool = True, shared_hidden: int = 0, capacity_factor: float = 0.0,
+                 aux_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0, gemm: str = "auto"):
+        super().__init__()
+        from dtrain.models.llama import FeedForward
+
+        self.n_experts, self.top_k = n_experts, top_k
+        self.capacity_factor = capacity_factor
+        self.aux_loss_coeff, self.z_loss_coeff = aux_loss_coeff, z_loss_coeff
+        # Gradient of the aux losses per forward; the trainer sets it to 1 / (forwards whose
+        # losses are averaged: micro-batches x sequence shards), as the LM loss is scaled.
+        self.aux_grad_scale = 1.0
+        self.router = Router(dim, n_experts, top_k, score, norm_topk)
+        self.experts = GroupedExperts(dim, hidden, n_experts, gemm)
+        self.shared_expert = FeedForward(dim, shared_hidden) if shared_hidden else None
+        self.register_buffer("tokens_per_expert", torch.zeros(n_experts), persistent=False)
+        self.register_buffer("loss_sums", torch.zeros(3), persistent=False)  # aux, z, forwards
+
+    def capacity(self, tokens: int) -> int:
+        """Assignments one expert takes from ``tokens`` tokens (capacity factor > 0)."""
+        return math.ceil(self.capacity_factor * tokens * self.top_k / self.n_experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        tokens, k = x.shape[0], self.top_k
+        logits, scores, chosen, weights = self.router(x)
+        expert = chosen.flatten()  # assignment i = token i // k, its (i % k)-th choice
+        counts = torch.zeros(self.n_experts, dtype=torch.int64, device=x.device)
+        counts.scatter_add_(0, expert, torch.ones_like(expert))
+        aux = load_balancing_loss(scores, counts, k)
+        z = router_z_loss(logits)
+        if torch.is_grad_enabled():  # training forwards only (not evaluation or shape probes)
+            with torch.no_grad():
+                self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
+                self.loss_sums += torch.stack([aux.detach(), z.detach(), aux.new_ones(())])
+        order = torch.argsort(expert, stable=True)
+        if self.capacity_factor > 0:  # drop assignments past each expert's capacity
+            starts = torch.cumsum(counts, 0) - counts
+            rank_in_expert = torch.empty_like(order)
+            rank_in_expert[order] = torch.arange(order.numel(), device=x.device) - starts[
+                expert[order]]
+            kept = rank_in_expert < self.capacity(tokens)
+            counts = counts.clamp(max=self.capacity(tokens))
+            order = torch.argsort(torch.where(kept, expert, self.n_experts), stable=True)
+            kept_sorted = kept[order]
+        token = order // k
+        out = self.experts(x[token], counts)
+        gate = weights.flatten()[order].unsqueeze(1)
+        if self.capacity_factor > 0:  # dropped rows (last) hold no expert output
+            out = torch.where(kept_sorted.unsqueeze(1), out, 0.0)
+        combined = torch.zeros_like(x).index_add_(0, token, (out * gate).to(x.dtype))
+        if self.shared_expert is not None:
+            combined = combined + self.shared_expert(x)
+        if torch.is_grad_enabled() and (self.aux_loss_coeff or self.z_loss_coeff):
+            loss = self.aux_loss_coeff * aux + self.z_loss_coeff * z
+            combined = AuxLoss.apply(combined, loss, self.aux_grad_scale)
+        return combined.view(shape)
+
+    def reset_stats(self) -> None:
+        self.tokens_per_expert.zero_()
+        self.loss_sums.zero_()
+
+    def stats(self) -> torch.Tensor:
+        """[tokens per expert..., aux loss sum, z-loss sum, forwards] since the last reset."""
+        return torch.cat([self.tokens_per_expert, self.loss_sums])
+
+    @torch.no_grad()
+    def update_expert_bias(self, tokens_per_expert: torch.Tensor, rate: float) -> None:
+        """Aux-loss-free balancing (sigmoid routers): raise the bias of experts that got fewer
+        than the mean number of tokens (``tokens_per_expert``, over all data), lower the rest."""
+        load = tokens_per_expert.to(self.router.expert_bias)
+        self.router.expert_bias += rate * torch.sign(load.mean() - load)

@@ -1,0 +1,173 @@
+"""FP8 training: the model's linear layers computed in float8, through torchao or Transformer
+Engine, converted on the ``meta`` model before any parallelism.
+
+torchao (``fp8.backend = "torchao"``): ``nn.Linear`` becomes torchao's ``Float8Linear``, which
+casts its input, weight and output gradient to float8 with dynamic scales and runs the matmuls in
+FP8; master weights, optimizer state and everything outside the linears stay as they were.
+``tensorwise`` keeps one scale per tensor; under FSDP its weights are all-gathered in FP8 (half
+the bytes of bf16), with the scales of all weights computed in one all-reduce after each optimizer
+step (``precompute_fp8_scales``); under TP its activations are cast before the all-gather too.
+``rowwise`` keeps a scale per row (more accurate, slower) and uses the plain TP styles.
+
+Transformer Engine (``fp8.backend = "te"``): ``nn.Linear`` becomes ``te.Linear`` and each forward
+of the model runs under ``te.fp8_autocast`` with the delayed or current scaling recipe.
+
+Layers stay in bf16 when their name matches ``fp8.filter_fqns`` (the output projection by
+default), when their dimensions are not multiples of 16 (FP8 matmuls need them), or when their
+weight is shared with another module (a tied output layer).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from collections import Counter
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from dtrain.config import ConfigError, FP8Config
+
+
+def require_backend(backend: str):
+    """Imports the backend (``torchao.float8`` or ``transformer_engine.pytorch``) and returns
+    the module; raises ConfigError saying what to install when it is absent."""
+    try:
+        if backend == "torchao":
+            import torchao.float8 as module
+        else:
+            import transformer_engine.pytorch as module
+    except ImportError as e:
+        top = "torchao" if backend == "torchao" else "transformer_engine"
+        if not (isinstance(e, ModuleNotFoundError) and (e.name or top).split(".")[0] == top):
+            raise ConfigError(f"fp8.backend = '{backend}': {top} is installed but does not "
+                              f"import ({e}): reinstall it for this torch "
+                              f"{torch.__version__}") from None
+        if backend == "torchao":
+            raise ConfigError("fp8.backend = 'torchao' needs torchao, which is not installed: "
+                              "pip install 'dtrain[fp8]' (or pip install torchao), or set "
+                              "fp8.enabled = false") from None
+        raise ConfigError("fp8.backend = 'te' needs Transformer Engine, which is not installed: "
+                          "pip install 'dtrain[te]' (on a machine with CUDA; see Transformer "
+                          "Engine's installation guide), or use fp8.backend = 'torchao'") from None
+    return module
+
+
+def check_fp8(cfg: FP8Config, device: torch.device, tp: int, compiled: bool) -> None:
+    """Refuses FP8 where it cannot run: off CUDA, on GPUs older than compute capability 8.9,
+    without the backend installed, and TE with tensor parallel or compile."""
+    if device.type != "cuda":
+        raise ConfigError("fp8.enabled = true needs CUDA GPUs of compute capability 8.9 or newer "
+                          "(Ada, Hopper, Blackwell) but this run is on the CPU: set "
+                          "fp8.enabled = false")
+    capability = torch.cuda.get_device_capability(device)
+    if capability < (8, 9):
+        raise ConfigError(f"fp8.enabled = true needs GPUs of compute capability 8.9 or newer "
+                          f"(Ada, Hopper, Blackwell) but {torch.cuda.get_device_name(device)} "
+                          f"has {capability[0]}.{capability[1]}: set fp8.enabled = false")
+    if cfg.backend == "te" and (tp > 1 or compiled):
+        raise ConfigError("fp8.backend = 'te' runs without tensor parallel and without compile "
+                          "(TE's modules are not DTensor-aware nor traced whole): set "
+                          "parallel.tp = 1 and compile.enabled = false, or use "
+                          "fp8.backend = 'torchao'")
+    require_backend(cfg.backend)
+
+
+def _matches(fqn: str, pattern: str) -> bool:
+    return fqn == pattern or fqn.endswith("." + pattern) or fnmatch.fnmatchcase(fqn, pattern)
+
+
+def fp8_filter(model: nn.Module, filter_fqns: Sequence[str]) -> Callable[[nn.Module, str], bool]:
+    """The predicate ``(module, fqn) -> convert?``: true for an ``nn.Linear`` of ``model`` whose
+    name matches no pattern of ``filter_fqns`` (a name, a dotted suffix or a glob), whose
+    in and out features are multiples of 16 and whose weight no other module shares."""
+    uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+
+    def convert(module: nn.Module, fqn: str) -> bool:
+        return (isinstance(module, nn.Linear)
+                and not any(_matches(fqn, pattern) for pattern in filter_fqns)
+                and module.in_features % 16 == 0 and module.out_features % 16 == 0
+                and uses[id(module.weight)] == 1)
+
+    return convert
+
+
+def fp8_all_gather(cfg: FP8Config, fsdp: bool) -> bool:
+    """Whether FSDP all-gathers the converted weights in FP8 (torchao tensorwise only)."""
+    return (cfg.enabled and fsdp and cfg.backend == "torchao" and cfg.recipe == "tensorwise"
+            and cfg.fsdp_float8_all_gather)
+
+
+def float8_tensor_parallel(cfg: FP8Config | None) -> bool:
+    """Whether tensor parallel uses torchao's float8 styles (tensorwise scaling only)."""
+    return (cfg is not None and cfg.enabled and cfg.backend == "torchao"
+            and cfg.recipe == "tensorwise")
+
+
+def convert_to_fp8(model: nn.Module, cfg: FP8Config, fsdp: bool,
+                   emulate: bool = False) -> tuple[list[str], list[str]]:
+    """Swaps, in place, the ``nn.Linear`` layers of ``model`` that pass ``fp8_filter`` for FP8
+    ones of ``cfg.backend``; on a ``meta`` model nothing is allocated. ``fsdp`` turns on FP8
+    all-gather where ``fp8_all_gather`` says so. ``emulate`` (torchao only) computes the FP8
+    matmuls in high precision, for machines without FP8 units. Returns the names of the
+    converted layers and of the linear layers kept as they were."""
+    convert = fp8_filter(model, cfg.filter_fqns)
+    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    converted = [name for name, m in linears if convert(m, name)]
+    kept = [name for name, m in linears if not convert(m, name)]
+    backend = require_backend(cfg.backend)
+    if cfg.backend == "torchao":
+        config = backend.Float8LinearConfig.from_recipe_name(cfg.recipe)
+        config = dataclasses.replace(
+            config, enable_fsdp_float8_all_gather=fp8_all_gather(cfg, fsdp), emulate=emulate)
+        backend.convert_to_float8_training(model, config=config, module_filter_fn=convert)
+    else:
+        for name in converted:
+            parent_name, _, child = name.rpartition(".")
+            parent = model.get_submodule(parent_name)
+            setattr(parent, child, _te_linear(backend, getattr(parent, child)))
+        _forward_under_te_autocast(model, backend, cfg.recipe)
+    return converted, kept
+
+
+def _te_linear(te, linear: nn.Linear) -> nn.Module:
+    """A ``te.Linear`` of the same shape; weights are copied unless on ``meta``."""
+    device = linear.weight.device
+    new = te.Linear(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                    params_dtype=linear.weight.dtype, device=device)
+    if device.type != "meta":
+        with torch.no_grad():
+            new.weight.copy_(linear.weight)
+            if linear.bias is not None:
+                new.bias.copy_(linear.bias)
+    return new
+
+
+def _forward_under_te_autocast(model: nn.Module, te, recipe_name: str) -> None:
+    """Runs each forward of ``model`` (of each pipeline stage copied from it) under
+    ``te.fp8_autocast``; backward follows the recipe TE recorded in forward."""
+    from transformer_engine.common import recipe
+
+    fp8_recipe = (recipe.DelayedScaling() if recipe_name == "delayed"
+                  else recipe.Float8CurrentScaling())
+    contexts = []
+
+    def enter(module, args):
+        contexts.append(te.fp8_autocast(enabled=True, fp8_recipe=fp8_recipe))
+        contexts[-1].__enter__()
+
+    def leave(module, args, output):
+        contexts.pop().__exit__(None, None, None)
+
+    model.register_forward_pre_hook(enter)
+    model.register_forward_hook(leave)
+
+
+def precompute_fp8_scales(model_parts: Sequence[nn.Module]) -> None:
+    """After an optimizer step under FP8 all-gather: the scales of every FP8 weight, from the
+    sharded weights' absolute maxima in one all-reduce, for the next step's all-gathers."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    for part in model_parts:
+        precompute_float8_dynamic_scale_for_fsdp(part)
