@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -119,6 +120,83 @@ def _plain(value: torch.Tensor) -> torch.Tensor:
     return value.full_tensor() if isinstance(value, DTensor) else value
 
 
+@dataclasses.dataclass
+class BuiltModel:
+    """Steps 4-7 of a run for this rank: the parallelized model parts, still on ``meta``."""
+    parts: list[Transformer]
+    stage_indices: list[int]
+    num_stages: int
+    num_params: int
+    flops_per_token: int
+    compute_dtype: torch.dtype
+    fp8_layers: tuple[list[str], list[str]] | None
+    fp8_all_gather: bool
+
+
+def build_model(cfg: Config, dims: ParallelDims, mesh: DeviceMesh | None, device_type: str,
+                tokenizer_vocab: int, microbatches: int) -> BuiltModel:
+    """Builds the model of ``cfg.model`` on ``meta`` (vocabulary at least ``tokenizer_vocab``,
+    padded for tp), checks it against the layout, converts it to FP8, splits this rank's
+    pipeline stages (``microbatches`` per step) and parallelizes each over ``mesh``. Nothing
+    is materialised: the trainer calls ``to_empty`` and ``init_weights``; the dry run
+    (``dtrain.plan.dry_run``) counts the local shards. Raises ConfigError."""
+    tcfg = cfg.training
+    args = model_args(cfg.model.name, n_layers=cfg.model.n_layers,
+                      vocab_size=cfg.model.vocab_size,
+                      attention_backend=cfg.model.attention_backend)
+    if args.n_experts:
+        args = dataclasses.replace(args, **moe_overrides(cfg.model))
+    # The embedding and output rows: at least the tokenizer's, padded so they split
+    # evenly over tensor-parallel ranks; labels never use the padding rows.
+    args.vocab_size = padded_vocab_size(max(args.vocab_size, tokenizer_vocab),
+                                        cfg.data.vocab_size_divisible_by * dims.tp)
+    if tcfg.seq_len > args.max_seq_len:
+        raise ConfigError(f"training.seq_len = {tcfg.seq_len} exceeds the model's "
+                          f"max_seq_len {args.max_seq_len}: use a shorter sequence")
+    with torch.device("meta"):
+        model = Transformer(args)
+    if dims.tp > 1:
+        check_tp(model, dims.tp, tcfg.seq_len)
+        if cfg.parallel.async_tp:
+            check_async_tp(device_type, cfg.compile.enabled)
+    if dims.ep > 1:
+        check_ep(model, dims.ep)
+        if cfg.activation_checkpoint.mode == "op":
+            raise ConfigError("activation_checkpoint.mode = 'op' is not available with "
+                              "parallel.ep > 1 (the all-to-all dispatch breaks selective "
+                              "recomputation): use 'full' or 'layer'")
+    if args.n_experts and dims.tp > 1 and dims.ep == 1:
+        raise ConfigError("an MoE model with parallel.tp > 1 needs parallel.ep > 1 (the MoE "
+                          "runs on each rank's sequence shard): set parallel.ep")
+    if dims.cp > 1:
+        check_cp(model, dims.cp, dims.tp, tcfg.seq_len, cfg.parallel.cp_comm_type)
+    num_params = model.num_params()
+    flops = model_flops_per_token(model, tcfg.seq_len)
+    fsdp = mesh is not None and dims.fsdp_enabled
+    # (converted, kept) linear layer names; FP8 all-gather precomputes scales after each step.
+    fp8_layers = convert_to_fp8(model, cfg.fp8, fsdp) if cfg.fp8.enabled else None
+
+    parts, stage_indices, num_stages = [model], [0], 1
+    if dims.pp > 1:
+        pcfg = cfg.parallel
+        check_pipeline(pcfg.pp_schedule, dims.pp, pcfg.pp_virtual_stages, microbatches,
+                       cfg.compile.enabled)
+        num_stages = dims.pp * pcfg.pp_virtual_stages
+        specs = parse_layout(pcfg.pp_layout, args.n_layers, num_stages)
+        stage_indices = stages_of_rank(dims.mesh("pp").get_local_rank(), dims.pp,
+                                       pcfg.pp_virtual_stages, pcfg.pp_schedule)
+        parts = split_model(model, specs, stage_indices)
+
+    bf16 = tcfg.mixed_precision == "bf16" or (
+        tcfg.mixed_precision == "auto" and device_type == "cuda")
+    compute_dtype = torch.bfloat16 if bf16 else torch.float32
+    # Each pipeline stage (or the whole model) is parallelized and initialised alike.
+    parts = [parallelize(part, dims, mesh, cfg.parallel, cfg.activation_checkpoint, cfg.compile,
+                         compute_dtype, cfg.fp8) for part in parts]
+    return BuiltModel(parts, stage_indices, num_stages, num_params, flops, compute_dtype,
+                      fp8_layers, fp8_all_gather(cfg.fp8, fsdp))
+
+
 class Trainer:
     """Builds everything a run needs from ``config`` and trains with ``train()``."""
 
@@ -148,68 +226,24 @@ class Trainer:
         self.val_loader = self._build_val_loader(dp_rank)
         self._val_start = self.val_loader.state_dict() if self.val_loader else None
 
-        args = model_args(cfg.model.name, n_layers=cfg.model.n_layers,
-                          vocab_size=cfg.model.vocab_size,
-                          attention_backend=cfg.model.attention_backend)
-        if args.n_experts:
-            args = dataclasses.replace(args, **moe_overrides(cfg.model))
-        # The embedding and output rows: at least the tokenizer's, padded so they split
-        # evenly over tensor-parallel ranks; labels never use the padding rows.
-        args.vocab_size = padded_vocab_size(max(args.vocab_size, self.tokenizer.vocab_size),
-                                            cfg.data.vocab_size_divisible_by * self.dims.tp)
-        if tcfg.seq_len > args.max_seq_len:
-            raise ConfigError(f"training.seq_len = {tcfg.seq_len} exceeds the model's "
-                              f"max_seq_len {args.max_seq_len}: use a shorter sequence")
-        with torch.device("meta"):
-            model = Transformer(args)
-        if self.dims.tp > 1:
-            check_tp(model, self.dims.tp, tcfg.seq_len)
-            if cfg.parallel.async_tp:
-                check_async_tp(self.device.type, cfg.compile.enabled)
-        if self.dims.ep > 1:
-            check_ep(model, self.dims.ep)
-        if args.n_experts and self.dims.tp > 1 and self.dims.ep == 1:
-            raise ConfigError("an MoE model with parallel.tp > 1 needs parallel.ep > 1 (the MoE "
-                              "runs on each rank's sequence shard): set parallel.ep")
+        if self.dims.pp > 1 and cfg.validation.enabled:
+            raise ConfigError("validation.enabled with parallel.pp > 1 is not available in "
+                              "this version: set validation.enabled = false")
+        built = build_model(cfg, self.dims, self.mesh, self.device.type,
+                            self.tokenizer.vocab_size, self.grad_accum)
         # Context parallel: each rank trains on its two chunks of every sequence, at these
         # positions (None without it).
         self.positions = None
         if self.dims.cp > 1:
-            if self.dims.pp > 1:
-                raise ConfigError("parallel.cp > 1 with parallel.pp > 1 is not available in this "
-                                  "version: set parallel.cp or parallel.pp to 1")
-            check_cp(model, self.dims.cp, self.dims.tp, tcfg.seq_len, cfg.parallel.cp_comm_type)
             self.positions = load_balanced_positions(
                 tcfg.seq_len, self.dims.cp, self.dims.mesh("cp").get_local_rank()).to(self.device)
-        self.num_params = model.num_params()
-        self.flops_per_token = model_flops_per_token(model, tcfg.seq_len)
-        fsdp = self.mesh is not None and self.dims.fsdp_enabled
-        # (converted, kept) linear layer names; FP8 all-gather precomputes scales after each step.
-        self.fp8_layers = convert_to_fp8(model, cfg.fp8, fsdp) if cfg.fp8.enabled else None
-        self.fp8_all_gather = fp8_all_gather(cfg.fp8, fsdp)
-
-        parts, stage_indices, num_stages = [model], [0], 1
-        if self.dims.pp > 1:
-            pcfg = cfg.parallel
-            if cfg.validation.enabled:
-                raise ConfigError("validation.enabled with parallel.pp > 1 is not available in "
-                                  "this version: set validation.enabled = false")
-            check_pipeline(pcfg.pp_schedule, self.dims.pp, pcfg.pp_virtual_stages,
-                           self.grad_accum, cfg.compile.enabled)
-            num_stages = self.dims.pp * pcfg.pp_virtual_stages
-            specs = parse_layout(pcfg.pp_layout, args.n_layers, num_stages)
-            stage_indices = stages_of_rank(self.dims.mesh("pp").get_local_rank(), self.dims.pp,
-                                           pcfg.pp_virtual_stages, pcfg.pp_schedule)
-            parts = split_model(model, specs, stage_indices)
-
-        bf16 = tcfg.mixed_precision == "bf16" or (
-            tcfg.mixed_precision == "auto" and self.device.type == "cuda")
-        self.compute_dtype = torch.bfloat16 if bf16 else torch.float32
-        # Each pipeline stage (or the whole model) is parallelized and initialised alike.
-        self.model_parts = [parallelize(part, self.dims, self.mesh, cfg.parallel,
-                                        cfg.activation_checkpoint, cfg.compile,
-                                        self.compute_dtype, cfg.fp8) for part in parts]
+        self.num_params, self.flops_per_token = built.num_params, built.flops_per_token
+        self.fp8_layers, self.fp8_all_gather = built.fp8_layers, built.fp8_all_gather
+        stage_indices, num_stages = built.stage_indices, built.num_stages
+        self.compute_dtype = built.compute_dtype
+        self.model_parts = built.parts
         # FSDP casts parameters itself; without it, autocast gives bf16 compute on fp32 weights.
+        bf16 = self.compute_dtype == torch.bfloat16
         self.autocast = bf16 and not (self.mesh is not None and self.dims.fsdp_enabled)
         for part in self.model_parts:
             part.to_empty(device=self.device)
@@ -230,7 +264,9 @@ class Trainer:
             self.pipeline = Pipeline(
                 self.model_parts, stage_indices, num_stages, cfg.parallel.pp_schedule,
                 self.grad_accum, self.dims.mesh("pp"), self.device, self.loss_fn,
-                loss_scale=self.dims.dp / (self.global_batch * tcfg.seq_len))
+                loss_scale=self.dims.dp * self.dims.cp / (self.global_batch * tcfg.seq_len))
+            for part in self.model_parts:  # stages are called with their input alone
+                part.positions = self.positions
         self.optimizer = build_optimizer(self.model_parts, cfg.optimizer, self.device.type)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.lr_schedule, tcfg.steps,
                                             cfg.optimizer.lr)
@@ -358,8 +394,8 @@ class Trainer:
         if self.pipeline is not None:
             start = time.perf_counter()
             batches = [self.loader.next_batch() for _ in range(self.grad_accum)]
-            inputs = torch.cat([b[0] for b in batches]).to(self.device, non_blocking=True)
-            labels = torch.cat([b[1] for b in batches]).to(self.device, non_blocking=True)
+            inputs, labels = self._local_tokens(torch.cat([b[0] for b in batches]),
+                                                torch.cat([b[1] for b in batches]))
             data_wait += time.perf_counter() - start
             with self._step_context():
                 loss_sum = self.pipeline.step(inputs, labels)
@@ -481,6 +517,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--recipe", help="recipe name (recipes/NAME.toml) or path")
     parser.add_argument("--print-config", action="store_true",
                         help="print the resolved config and exit")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="build one rank at the full world size on a fake process group "
+                             "(meta weights, no GPU) and print its memory, then exit")
+    parser.add_argument("--dry-run-world-size", type=int, default=0,
+                        help="world size of the dry run (default: the product of the recipe's "
+                             "parallel degrees; needed when dp_shard = -1)")
+    parser.add_argument("--dry-run-rank", type=int, default=0, help="rank the dry run builds")
     parser.add_argument("-h", "--help", action="store_true", help="show every config field")
     known, overrides = parser.parse_known_args(argv)
     if known.help:
@@ -492,6 +535,11 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(known.recipe, overrides)
         if known.print_config:
             print(config.to_toml())
+            return 0
+        if known.dry_run:
+            from dtrain.plan.dry_run import dry_run
+
+            print(dry_run(config, known.dry_run_world_size or None, known.dry_run_rank).format())
             return 0
         trainer = Trainer(config)
         trainer.train()

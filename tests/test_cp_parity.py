@@ -1,6 +1,6 @@
 """Context parallel over gloo reproduces the single-process run: equal initial weights, per-step
 losses and gradient norms within 1e-5 relative over 5 steps at seq_len 256, with each attention
-comm type at CP 2 and CP 4, and composed with FSDP (and activation checkpointing) and with TP.
+comm type at CP 2 and CP 4, and composed with FSDP (and activation checkpointing), TP and PP.
 Plus the attention function alone against whole-sequence causal attention, and the errors."""
 
 import json
@@ -42,11 +42,14 @@ FOUR_RANKS = [
     {"parallel.cp": 2, "parallel.dp_shard": 2, "activation_checkpoint.mode": "op"},
     {"parallel.cp": 2, "parallel.tp": 2, "parallel.dp_shard": 1,
      "activation_checkpoint.mode": "full"},
+    # Pipeline stages hold this rank's positions; 2 microbatches of one sequence.
+    {"parallel.cp": 2, "parallel.pp": 2, "parallel.dp_shard": 1,
+     "training.micro_batch_size": 1, "parallel.pp_schedule": "1F1B"},
 ]
 
 
 @pytest.mark.parametrize("nproc, layouts", [(2, CP2), (4, FOUR_RANKS)],
-                         ids=["cp2-comm-types", "cp4-cp2xfsdp2-cp2xtp2"])
+                         ids=["cp2-comm-types", "cp4-cp2xfsdp2-cp2xtp2-cp2xpp2"])
 def test_context_parallel_matches_single_process(tmp_path, reference_256, nproc, layouts):
     runs = run_distributed(tmp_path, nproc, specs(tmp_path, layouts))
     for run, layout in zip(runs, layouts, strict=True):

@@ -1,6 +1,7 @@
 """Expert parallel over gloo reproduces the single-process MoE run (fp32, dropless): equal initial
 weights, per-step losses, gradient norms and aux losses within 1e-5 relative over 5 steps, for
-EP 2, EP 4, EP 2 x FSDP 2 (with activation checkpointing), PP 2 x EP 2 and EP 2 x TP 2."""
+EP 2, EP 4, EP 2 x FSDP 2 (with activation checkpointing), PP 2 x EP 2 and EP 2 x TP 2; and EP 2
+with a sigmoid router and capacity-factor dropping."""
 
 import pytest
 from conftest import MOE, REL, assert_same_run, run_distributed
@@ -10,11 +11,6 @@ from dtrain.config import ConfigError, ParallelConfig
 from dtrain.models import build
 from dtrain.parallel.dims import ParallelDims
 from dtrain.parallel.expert import check_ep
-
-# Under TP each rank routes its own sequence shard, so the load-balancing loss (a product of
-# sums over a micro-batch's tokens) is computed per shard: the TP layout is compared with a run
-# without it (the z-loss, a mean over tokens, is the same either way).
-NO_AUX = {"model.moe_aux_loss_coeff": 0.0}
 
 
 def specs(tmp_path, layouts: list[dict]) -> list[dict]:
@@ -34,24 +30,31 @@ def assert_same_moe_run(run: dict, reference: list[dict], label: str) -> None:
 
 
 def test_expert_parallel_over_two_ranks(tmp_path, moe_reference):
-    (run,) = run_distributed(tmp_path, 2, specs(tmp_path, [{"parallel.ep": 2}]))
-    assert_same_moe_run(run, moe_reference, "ep2")
+    # Also the DeepSeek-style router (sigmoid scores, expert bias updated from the global token
+    # counts after each step) with capacity-factor dropping: tokens past an expert's capacity
+    # are not sent to its rank.
+    variant = {"model.moe_router": "sigmoid", "model.moe_capacity_factor": 1.0}
+    single = Trainer(load_config("debug", {
+        **MOE, **variant, "job.output_dir": str(tmp_path / "ref")})).train()
+    plain, dropping = run_distributed(tmp_path, 2, specs(
+        tmp_path, [{"parallel.ep": 2}, {"parallel.ep": 2, **variant}]))
+    assert_same_moe_run(plain, moe_reference, "ep2")
+    assert_same_moe_run(dropping, single, "ep2 sigmoid capacity 1.0")
 
 
 def test_expert_parallel_layouts_over_four_ranks(tmp_path, moe_reference):
-    without_aux = Trainer(load_config("debug", {
-        **MOE, **NO_AUX, "job.output_dir": str(tmp_path / "ref")})).train()
     layouts = [
         {"parallel.ep": 4},
         # Each expert's weights also FSDP-sharded over the 2 data ranks outside ep.
         {"parallel.ep": 2, "parallel.dp_shard": 4, "activation_checkpoint.mode": "full"},
         {"parallel.ep": 2, "parallel.pp": 2, "parallel.dp_shard": 2},
-        {"parallel.ep": 2, "parallel.tp": 2, "parallel.dp_shard": 2, **NO_AUX},
+        # Each rank routes its sequence shard; the load-balancing loss uses the expert counts
+        # summed over the tp ranks, so it is the whole micro-batch's.
+        {"parallel.ep": 2, "parallel.tp": 2, "parallel.dp_shard": 2},
     ]
     runs = run_distributed(tmp_path, 4, specs(tmp_path, layouts))
-    for run, layout in zip(runs[:3], layouts, strict=False):
+    for run, layout in zip(runs, layouts, strict=True):
         assert_same_moe_run(run, moe_reference, str(layout))
-    assert_same_run(runs[3], without_aux, "ep2 x tp2")
 
 
 def test_expert_parallel_needs_an_moe_model_whose_experts_divide():
@@ -66,3 +69,13 @@ def test_expert_parallel_takes_whole_context_parallel_groups():
         ParallelDims.from_config(ParallelConfig(cp=4, ep=2), 8)
     dims = ParallelDims.from_config(ParallelConfig(cp=2, ep=4), 8)
     assert (dims.dp_shard, dims.cp, dims.ep) == (4, 2, 4)
+
+
+def test_selective_checkpointing_is_refused_with_expert_parallel(tmp_path):
+    # The check runs before any process group or mesh is needed for the model.
+    from dtrain.train import build_model
+
+    cfg = load_config("debug", {**MOE, "parallel.ep": 2, "activation_checkpoint.mode": "op"})
+    dims = ParallelDims.from_config(cfg.parallel, 2)
+    with pytest.raises(ConfigError, match="mode = 'op' is not available with parallel.ep > 1"):
+        build_model(cfg, dims, None, "cpu", 4096, 8)

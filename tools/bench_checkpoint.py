@@ -51,12 +51,15 @@ def main() -> None:
         if dist.is_initialized():
             dist.barrier()
 
-    def timed(fn) -> float:
+    def timed(fn, what: str = "") -> float:
         barrier()
         start = time.perf_counter()
         fn()
         barrier()
-        return time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        if what and trainer.rank == 0:  # as it goes: a run cut short still reports
+            print(f"{what}: {seconds:.2f}s", flush=True)
+        return seconds
 
     def steps(n: int) -> float:
         """Mean seconds per training step over ``n`` steps."""
@@ -89,23 +92,26 @@ def main() -> None:
     clear()
     steps(args.steps)  # warm-up: compilation, allocator
     step_time = steps(args.steps)
+    if trainer.rank == 0:
+        print(f"step without a save: {step_time:.3f}s", flush=True)
 
     ckpt = checkpointer(async_save=False)
-    sync_save = timed(lambda: ckpt.save(1))
+    sync_save = timed(lambda: ckpt.save(1), "synchronous save")
     size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
-    load = timed(ckpt.load)
+    load = timed(ckpt.load, "load")
     clear()
 
     ckpt = checkpointer(async_save=True)
     barrier()
     start = time.perf_counter()
-    async_pause = timed(lambda: ckpt.save(2))
+    async_pause = timed(lambda: ckpt.save(2), "asynchronous save: training paused")
     steps_during = steps(args.steps)  # the first waits for the copy off the device, if needed
-    timed(ckpt.wait)
+    timed(ckpt.wait, "asynchronous save: waiting for the write after the steps")
     async_total = time.perf_counter() - start
     clear()
     if args.second_save:  # reuses the pinned staging buffers of the first
-        summary_extra = {"async_second_pause_s": round(timed(lambda: ckpt.save(3)), 2)}
+        pause = timed(lambda: ckpt.save(3), "second asynchronous save: training paused")
+        summary_extra = {"async_second_pause_s": round(pause, 2)}
         timed(ckpt.wait)
         clear()
     else:

@@ -220,6 +220,9 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self.register_buffer("rope", rope_cache(args.max_seq_len, args.head_dim, args.rope_theta,
                                                 args.rope_scaling), persistent=False)
+        # The positions a forward without ``positions`` uses (None: 0..seq-1). Context parallel
+        # sets them on pipeline stages, which are called with their input alone.
+        self.positions: torch.Tensor | None = None
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (batch, seq) int64 -> logits (batch, seq, vocab); a pipeline stage without
@@ -227,6 +230,7 @@ class Transformer(nn.Module):
         (seq,) int64: the tokens' places in the whole sequence (context parallel holds parts of
         it); None means 0..seq-1."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        positions = self.positions if positions is None else positions
         rope = self.rope if positions is None else self.rope[positions]
         for layer in self.layers.values():
             h = layer(h, rope)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -111,13 +112,19 @@ class Router(nn.Module):
         return logits, scores, chosen, weights
 
 
-def load_balancing_loss(scores: torch.Tensor, counts: torch.Tensor, top_k: int) -> torch.Tensor:
+def load_balancing_loss(scores: torch.Tensor, counts: torch.Tensor, top_k: int,
+                        shards: int = 1) -> torch.Tensor:
     """Switch/Megatron auxiliary loss ``E * sum_e f_e P_e``: ``f_e = counts[e] / (T k)`` (counts
     of assignments before any drop), ``P_e`` the mean over tokens of ``scores[:, e]`` (scores
-    normalised per token for sigmoid routers). 1.0 when perfectly balanced."""
+    normalised per token for sigmoid routers). 1.0 when perfectly balanced.
+
+    With the tokens split into ``shards`` equal parts (sequence parallel), ``scores`` are this
+    shard's and ``counts`` the sum over all shards: the mean of the shards' results is the loss
+    of the whole set of tokens."""
     tokens, n_experts = scores.shape
     probs = scores / scores.sum(dim=-1, keepdim=True)
-    return n_experts * (counts.to(probs.dtype) / (tokens * top_k) * probs.mean(0)).sum()
+    f = counts.to(probs.dtype) / (tokens * shards * top_k)
+    return n_experts * (f * probs.mean(0)).sum()
 
 
 def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
@@ -160,6 +167,9 @@ class MoE(nn.Module):
         # Gradient of the aux losses per forward; the trainer sets it to 1 / (forwards whose
         # losses are averaged: micro-batches x sequence shards), as the LM loss is scaled.
         self.aux_grad_scale = 1.0
+        # The ranks a micro-batch's tokens are split over when the MoE runs on sequence shards
+        # (tensor parallel): the aux loss then uses their summed expert counts.
+        self.seq_group: dist.ProcessGroup | None = None
         self.router = Router(dim, n_experts, top_k, score, norm_topk)
         self.experts = GroupedExperts(dim, hidden, n_experts, gemm)
         self.shared_expert = FeedForward(dim, shared_hidden) if shared_hidden else None
@@ -178,12 +188,19 @@ class MoE(nn.Module):
         expert = chosen.flatten()  # assignment i = token i // k, its (i % k)-th choice
         counts = torch.zeros(self.n_experts, dtype=torch.int64, device=x.device)
         counts.scatter_add_(0, expert, torch.ones_like(expert))
-        aux = load_balancing_loss(scores, counts, k)
+        shards, all_counts = 1, counts
+        if self.seq_group is not None:
+            shards, all_counts = dist.get_world_size(self.seq_group), counts.clone()
+            dist.all_reduce(all_counts, group=self.seq_group)
+        aux = load_balancing_loss(scores, all_counts, k, shards)
         z = router_z_loss(logits)
         if torch.is_grad_enabled():  # training forwards only (not evaluation or shape probes)
             with torch.no_grad():
                 self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
-                self.loss_sums += torch.stack([aux.detach(), z.detach(), aux.new_ones(())])
+                # A shard is that fraction of a forward: sums over the shards give the
+                # micro-batch's figures.
+                self.loss_sums += torch.stack([aux.detach(), z.detach(),
+                                               aux.new_ones(())]) / shards
         order = torch.argsort(expert, stable=True)
         if self.capacity_factor > 0:  # drop assignments past each expert's capacity
             starts = torch.cumsum(counts, 0) - counts

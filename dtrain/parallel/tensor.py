@@ -70,6 +70,8 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, loss_parallel: bool,
     parallelize_module(model, tp_mesh, top)
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, block_plan(block, float8))
+        if isinstance(block.feed_forward, MoE):  # routes its sequence shard: see block_plan
+            block.feed_forward.seq_group = tp_mesh.get_group()
 
 
 def block_plan(block: nn.Module, float8: bool = False) -> dict[str, ParallelStyle]:

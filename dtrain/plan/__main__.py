@@ -1,0 +1,5 @@
+import sys
+
+from dtrain.plan.planner import main
+
+sys.exit(main())

@@ -1,0 +1,122 @@
+"""Dry run: one rank of a recipe at its full world size, on a fake process group, on ``meta``.
+
+The mesh is built at the real world size over torch's fake backend (collectives are no-ops),
+the model is built and parallelized by the trainer's own ``build_model`` as rank ``rank`` would,
+and the bytes of its local shards are counted: parameters, gradients (same dtype and sharding)
+and AdamW's two moments. Activations and communication buffers come from the memory model
+(``dtrain.plan.memory``). No weight is materialised and no GPU is needed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from dtrain.config import Config, ConfigError
+from dtrain.plan.constants import H200, Constants
+from dtrain.plan.memory import GIB, Layout, MemoryEstimate, Workload, rank_memory
+
+
+@dataclass
+class DryRunReport:
+    world_size: int
+    rank: int
+    mesh: str
+    stages: list[int]
+    num_stages: int
+    local_params: int
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    estimate: MemoryEstimate
+    grads_live: bool
+    """Gradients live through the step (several micro-batches, or a pipeline)."""
+
+    @property
+    def peak_bytes(self) -> float:
+        """Counted parameter, gradient and optimizer bytes plus the modelled activations and
+        buffers, combined as the memory model combines them (``memory.rank_memory``)."""
+        e = self.estimate
+        live = self.grad_bytes + e.activations if self.grads_live \
+            else max(self.grad_bytes, e.activations)
+        return self.param_bytes + self.optimizer_bytes + e.buffers + live
+
+    def format(self) -> str:
+        e = self.estimate
+        stages = (f" | pipeline stages {self.stages} of {self.num_stages}"
+                  if self.num_stages > 1 else "")
+        return "\n".join([
+            f"dry run: rank {self.rank} of {self.world_size} | mesh {self.mesh}{stages}",
+            f"  local parameters   {self.local_params / 1e9:10.3f} B "
+            f"(memory model: {e.local_params / 1e9:.3f} B)",
+            f"  parameters (fp32)  {self.param_bytes / GIB:10.2f} GiB",
+            f"  gradients          {self.grad_bytes / GIB:10.2f} GiB",
+            f"  optimizer (AdamW)  {self.optimizer_bytes / GIB:10.2f} GiB",
+            f"  activations (est.) {e.activations / GIB:10.2f} GiB",
+            f"  buffers (est.)     {e.buffers / GIB:10.2f} GiB",
+            f"  peak (est.)        {self.peak_bytes / GIB:10.2f} GiB allocated",
+        ])
+
+
+def layout_of(cfg: Config, dims) -> Layout:
+    """The memory model's ``Layout`` of a config and its resolved degrees."""
+    ac = cfg.activation_checkpoint.mode
+    return Layout(tp=dims.tp, pp=dims.pp, cp=dims.cp, ep=dims.ep, dp_shard=dims.dp_shard,
+                  dp_replicate=dims.dp_replicate,
+                  pp_virtual_stages=cfg.parallel.pp_virtual_stages,
+                  pp_schedule=cfg.parallel.pp_schedule, micro_batch=cfg.training.micro_batch_size,
+                  ac="full" if ac == "layer" else ac, compiled=cfg.compile.enabled,
+                  fp8=cfg.fp8.enabled, cp_comm_type=cfg.parallel.cp_comm_type)
+
+
+def default_world_size(cfg: Config) -> int:
+    """The world size a recipe describes: the product of its degrees (dp_shard must be set)."""
+    p = cfg.parallel
+    if p.dp_shard == -1:
+        raise ConfigError("the dry run needs a world size: the recipe has parallel.dp_shard = -1, "
+                          "so give --dry-run-world-size N (or set parallel.dp_shard)")
+    return p.dp_replicate * p.dp_shard * p.cp * p.tp * p.pp
+
+
+def dry_run(cfg: Config, world_size: int | None = None, rank: int = 0,
+            constants: Constants = H200) -> DryRunReport:
+    """Builds rank ``rank`` of ``cfg`` at ``world_size`` (default: ``default_world_size``) on a
+    fake process group and reports its bytes. Raises ConfigError for a layout the trainer
+    refuses. The process group is destroyed before returning."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from dtrain.parallel import ParallelDims
+    from dtrain.train import batch_arithmetic, build_model
+
+    world_size = world_size or default_world_size(cfg)
+    if not 0 <= rank < world_size:
+        raise ConfigError(f"--dry-run-rank {rank} is outside the world size {world_size}")
+    dims = ParallelDims.from_config(cfg.parallel, world_size)
+    global_batch, accum = batch_arithmetic(cfg.training, dims.dp)
+    if dist.is_initialized():
+        raise RuntimeError("the dry run needs a process without a process group")
+    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
+    try:
+        mesh = dims.build_mesh("cpu")
+        built = build_model(cfg, dims, mesh, "cuda", 0, accum)
+        numel = param_bytes = 0
+        for part in built.parts:
+            for p in part.parameters():
+                local = p.to_local() if hasattr(p, "to_local") else p
+                numel += local.numel()
+                param_bytes += local.numel() * local.element_size()
+        args = built.parts[0].args
+        work = Workload(args, cfg.training.seq_len, global_batch)
+        layout = layout_of(cfg, dims)
+        first = 0 in built.stage_indices
+        last = built.num_stages - 1 in built.stage_indices
+        # A middle pipeline rank is counted like the first (the most microbatches in flight).
+        est = rank_memory(work, layout, constants, first, last)
+        shape = ", ".join(f"{name} {size}" for name, size in
+                          zip(mesh.mesh_dim_names, mesh.mesh.shape, strict=True))
+        return DryRunReport(world_size, rank, shape, built.stage_indices, built.num_stages,
+                            numel, param_bytes, param_bytes, 2 * 4 * numel, est,
+                            accum > 1 or dims.pp > 1)
+    finally:
+        dist.destroy_process_group()

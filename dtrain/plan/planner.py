@@ -1,0 +1,197 @@
+"""The parallelism planner: every layout of a model on a cluster, its predicted memory and step
+time, ranked, with the reason each one wins or is excluded.
+
+``python -m dtrain.plan --model llama3_70b --gpus 64 --gpus-per-node 8 --gpu-memory-gb 80
+--seq-len 4096 --global-batch 1024``
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass, field, replace
+
+from dtrain.models import model_args
+from dtrain.models.presets import PRESETS
+from dtrain.plan.constants import H200, Constants
+from dtrain.plan.memory import GIB, Layout, MemoryEstimate, Workload, estimate_memory
+from dtrain.plan.step_time import TimeEstimate, estimate_time
+
+AC_MODES = ("none", "op", "full")
+
+
+@dataclass
+class Candidate:
+    """A layout with its predictions; ``excluded`` says why it cannot run ("" if it can)."""
+    layout: Layout
+    memory: MemoryEstimate
+    time: TimeEstimate
+    excluded: str = ""
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    gpus: int
+    gpus_per_node: int = 8
+    gpu_memory_gb: float = 80.0
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    return [2**i for i in range(limit.bit_length()) if 2**i <= limit]
+
+
+def layouts(work: Workload, cluster: Cluster) -> list[Layout]:
+    """Every layout the trainer accepts for this model, batch and cluster size (degrees that
+    divide, sequence and heads divisible, at least pp microbatches), with micro-batch and
+    checkpointing choices. TP across nodes is listed (and excluded later with its reason)."""
+    args, seq, gpus = work.args, work.seq_len, cluster.gpus
+    out = []
+    for tp in _powers_of_two(min(gpus, 16)):
+        if args.n_heads % tp or args.kv_heads % tp or seq % tp:
+            continue
+        for pp in _divisors(gpus // tp):
+            if pp > args.n_layers or pp > 16:
+                continue
+            for cp in _powers_of_two(gpus // (tp * pp)):
+                if cp > 8 or seq % (2 * cp * tp) or (cp > 1 and seq < 16384 and cp > 2):
+                    continue
+                dp = gpus // (tp * pp * cp)
+                for dp_replicate in {1, max(1, dp // max(1, cluster.gpus_per_node // (tp * cp)))}:
+                    if dp % dp_replicate:
+                        continue
+                    dp_shard = dp // dp_replicate
+                    for ep in (_divisors(args.n_experts) if args.n_experts else [1]):
+                        if (dp_shard * cp) % ep or (ep > 1 and cp > 1 and ep % cp):
+                            continue
+                        if args.n_experts and tp > 1 and ep == 1:
+                            continue
+                        out += _batch_choices(work, Layout(tp=tp, pp=pp, cp=cp, ep=ep,
+                                                           dp_shard=dp_shard,
+                                                           dp_replicate=dp_replicate))
+    return out
+
+
+def _batch_choices(work: Workload, base: Layout) -> list[Layout]:
+    out = []
+    for mb in (1, 2, 4, 8):
+        if work.global_batch % (mb * base.dp):
+            continue
+        m = work.global_batch // (mb * base.dp)
+        schedules = [("1F1B", 1)]
+        if base.pp > 1:
+            if m < base.pp:
+                continue
+            if m % base.pp == 0:
+                schedules.append(("Interleaved1F1B", 2))
+        else:
+            schedules = [("1F1B", 1)]
+        for schedule, v in schedules:
+            if base.pp > 1 and base.pp * v > work.args.n_layers:
+                continue
+            for ac in AC_MODES if base.ep == 1 else ("none", "full"):  # op refused with ep
+                out.append(replace(base, micro_batch=mb, ac=ac, pp_schedule=schedule,
+                                   pp_virtual_stages=v))
+    return out
+
+
+def evaluate(work: Workload, layout: Layout, cluster: Cluster,
+             c: Constants = H200) -> Candidate:
+    """Predictions for one layout and, when it cannot run well, why."""
+    mem = estimate_memory(work, layout, c)
+    time = estimate_time(work, layout, cluster.gpus_per_node, c)
+    cand = Candidate(layout, mem, time)
+    budget = cluster.gpu_memory_gb * 1e9 * c.usable_memory
+    if layout.tp > cluster.gpus_per_node:
+        cand.excluded = f"TP {layout.tp} across nodes (more than {cluster.gpus_per_node} GPUs)"
+    elif mem.peak > budget:
+        cand.excluded = (f"memory over budget: {mem.peak / GIB:.1f} GiB > "
+                         f"{budget / GIB:.1f} GiB usable")
+    elif layout.pp > 1 and time.bubble > 0.15 * time.step:
+        cand.excluded = f"pipeline bubble {100 * time.bubble / time.step:.0f}% of the step"
+    return cand
+
+
+def plan(work: Workload, cluster: Cluster, c: Constants = H200) -> list[Candidate]:
+    """Every layout evaluated: those that fit ranked by predicted step time (fastest first),
+    then the excluded ones."""
+    cands = [evaluate(work, layout, cluster, c) for layout in layouts(work, cluster)]
+    fits = sorted((x for x in cands if not x.excluded), key=lambda x: x.time.step)
+    out = sorted((x for x in cands if x.excluded), key=lambda x: x.time.step)
+    return fits + out
+
+
+def why_wins(best: Candidate, other: Candidate) -> str:
+    """What makes ``best`` faster than ``other``: the component of the step that differs most."""
+    parts = ("compute", "bubble", "fsdp", "tp", "cp", "ep", "optimizer", "overhead")
+    diffs = {p: getattr(other.time, p) - getattr(best.time, p) for p in parts}
+    name = max(diffs, key=diffs.get)
+    label = {"compute": "less recomputation", "bubble": "a smaller pipeline bubble",
+             "fsdp": "less exposed FSDP communication", "tp": "less TP communication",
+             "cp": "less context-parallel communication", "ep": "less all-to-all traffic",
+             "optimizer": "a smaller optimizer step", "overhead": "fewer micro-batches"}[name]
+    return f"{label} ({diffs[name]:.2f} s/step)"
+
+
+def format_plan(cands: list[Candidate], work: Workload, cluster: Cluster, top: int = 10) -> str:
+    fits = [x for x in cands if not x.excluded]
+    lines = [f"{cluster.gpus} GPUs ({cluster.gpus_per_node} per node, {cluster.gpu_memory_gb:g} "
+             f"GB), seq {work.seq_len}, global batch {work.global_batch} sequences: "
+             f"{len(cands)} layouts, {len(fits)} fit"]
+    header = (f"{'#':>3} {'layout':<72} {'step s':>7} {'tok/s/GPU':>9} {'MFU':>6} "
+              f"{'mem GiB':>7}  why")
+    lines += [header, "-" * len(header)]
+    for i, cand in enumerate(fits[:top]):
+        reason = "fastest that fits" if i == 0 else "slower than #1: " + why_wins(fits[0], cand)
+        lines.append(_row(i + 1, cand, reason))
+    excluded = [x for x in cands if x.excluded]
+    shown = {}
+    for cand in excluded:  # the fastest excluded layout of each kind of reason
+        kind = cand.excluded.split(":")[0].split(" ")[0]
+        if kind not in shown:
+            shown[kind] = cand
+    if shown:
+        lines.append("excluded (the fastest of each reason):")
+        for cand in shown.values():
+            lines.append(_row(0, cand, "excluded: " + cand.excluded))
+    return "\n".join(lines)
+
+
+def _row(rank: int, cand: Candidate, reason: str) -> str:
+    t, m = cand.time, cand.memory
+    return (f"{rank or '-':>3} {cand.layout.describe():<72} {t.step:7.2f} "
+            f"{t.tokens_per_second:9,.0f} {100 * t.mfu:5.1f}% {m.peak / GIB:7.1f}  {reason}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m dtrain.plan",
+        description="Rank the parallel layouts of a model on a cluster by predicted step time, "
+                    "with predicted memory per GPU and MFU (no GPU needed).")
+    parser.add_argument("--model", required=True, help=f"preset: {', '.join(PRESETS)}")
+    parser.add_argument("--gpus", type=int, required=True)
+    parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--gpu-memory-gb", type=float, default=80.0)
+    parser.add_argument("--seq-len", type=int, default=8192)
+    parser.add_argument("--global-batch", type=int, required=True,
+                        help="sequences per optimizer step")
+    parser.add_argument("--top", type=int, default=10, help="layouts to print")
+    args = parser.parse_args(argv)
+    if args.model not in PRESETS:
+        print(f"error: unknown model '{args.model}': use one of {', '.join(PRESETS)}",
+              file=sys.stderr)
+        return 2
+    work = Workload(model_args(args.model), args.seq_len, args.global_batch)
+    cluster = Cluster(args.gpus, args.gpus_per_node, args.gpu_memory_gb)
+    cands = plan(work, cluster)
+    if not any(not x.excluded for x in cands):
+        print(format_plan(cands, work, cluster, args.top))
+        print("error: no layout fits: use more GPUs, a shorter sequence or a smaller batch",
+              file=sys.stderr)
+        return 2
+    print(format_plan(cands, work, cluster, args.top))
+    return 0

@@ -1,0 +1,133 @@
+"""Step time of a layout: compute at a calibrated efficiency, the communication each
+parallelism adds (volumes over NVLink inside a node, the network across nodes, the share not
+hidden behind compute from ``constants``), the pipeline bubble and fixed overheads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dtrain.parallel.pipeline import ideal_bubble
+from dtrain.plan.constants import H200, Constants
+from dtrain.plan.memory import Layout, Workload, layer_params, local_params
+
+
+@dataclass
+class TimeEstimate:
+    """Seconds per optimizer step and its parts; tokens/s per GPU and MFU."""
+    step: float
+    compute: float
+    bubble: float
+    fsdp: float
+    tp: float
+    cp: float
+    ep: float
+    optimizer: float
+    overhead: float
+    tokens_per_second: float
+    mfu: float
+
+
+def model_flops_per_token(args, seq_len: int) -> float:
+    """The MFU convention (``dtrain.metrics.flops_per_token``) from the shapes alone."""
+    p = layer_params(args)
+    active = p["tp"] + p["replicated"] + p["router"]
+    if args.n_experts:
+        active += p["experts"] * args.moe_top_k / args.n_experts
+    # Blocks, final norm and the output layer (the tied table counts as the output layer).
+    non_embedding = args.n_layers * active + args.dim + args.vocab_size * args.dim
+    return 6 * non_embedding + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
+
+
+def _bandwidth(group: int, stride: int, gpus_per_node: int, c: Constants) -> float:
+    """GB/s of a collective over ``group`` ranks spaced ``stride`` apart in the rank order."""
+    return c.nvlink_gb_s if group * stride <= gpus_per_node else c.network_gb_s
+
+
+def _ring(volume: float, group: int) -> float:
+    """Bytes each rank moves in a ring all-gather / reduce-scatter of ``volume`` bytes."""
+    return volume * (group - 1) / group
+
+
+def estimate_time(work: Workload, layout: Layout, gpus_per_node: int = 8,
+                  c: Constants = H200) -> TimeEstimate:
+    args = work.args
+    seq = work.seq_len
+    m = work.microbatches(layout)
+    tokens_rank = work.global_batch * seq / layout.world  # tokens of compute per GPU and step
+    # Compute: weight matmuls and causal attention (masked half skipped), per GPU.
+    flops = model_flops_per_token(args, seq)
+    attention = 12 * args.n_layers * args.n_heads * args.head_dim * seq
+    matmul_eff = c.matmul_efficiency * (c.fp8_matmul_speedup if layout.fp8 else 1.0)
+    peak = c.peak_tflops * 1e12
+    attention_eff = c.attention_efficiency / (
+        c.ring_attention_slowdown if layout.cp > 1 and layout.cp_comm_type == "p2p" else 1.0)
+    compute = tokens_rank * ((flops - attention) / (peak * matmul_eff)
+                             + attention / 2 / (peak * attention_eff))
+    compute *= 1 + {"none": 0.0, "op": c.recompute_op, "full": c.recompute_full}[layout.ac]
+    if not layout.compiled:
+        compute *= c.eager_slowdown
+
+    # Mesh order (outermost first): pp, dp_replicate, dp_shard, cp, tp.
+    tp_bw = _bandwidth(layout.tp, 1, gpus_per_node, c)
+    cp_bw = _bandwidth(layout.cp, layout.tp, gpus_per_node, c)
+    shard_bw = _bandwidth(layout.dp_shard * layout.cp, layout.tp, gpus_per_node, c)
+    rep_bw = _bandwidth(layout.dp_replicate, layout.tp * layout.cp * layout.dp_shard,
+                        gpus_per_node, c)
+
+    layers = args.n_layers / layout.pp
+    tokens_mb = layout.micro_batch * seq / layout.cp  # local tokens of one micro-batch
+    h = args.dim
+    # Tensor parallel: per block and micro-batch 2 all-gathers and 2 reduce-scatters of the
+    # block's activations forward, as many backward (one more pair recomputed under AC).
+    tp_time = 0.0
+    if layout.tp > 1:
+        per_collective = _ring(tokens_mb * h * 2, layout.tp) / (tp_bw * 1e9)
+        count = 8 + (0 if layout.ac == "none" else 2)
+        if args.n_experts:
+            count /= 2  # the MoE keeps tokens sequence-sharded
+        tp_time = c.tp_exposed * count * per_collective * layers * m
+    # Context parallel: K/V around the ring (p2p) or all-to-alls (a2a), per block.
+    cp_time = 0.0
+    if layout.cp > 1:
+        kv = args.kv_heads * args.head_dim / layout.tp
+        if layout.cp_comm_type == "a2a":
+            volume = tokens_mb * (2 * h / layout.tp + 2 * kv) * 2 * 2  # q, out; k, v; fwd+bwd
+            volume = _ring(volume, layout.cp)
+        else:
+            volume = (layout.cp - 1) * tokens_mb * 2 * kv * 2 * 3  # K/V fwd, K/V+dK/dV bwd
+        cp_time = c.cp_exposed * volume / (cp_bw * 1e9) * layers * m
+    # Expert parallel: dispatch and combine all-to-alls forward and backward, per MoE block.
+    ep_time = 0.0
+    if layout.ep > 1:
+        ep_bw = _bandwidth(layout.ep, layout.tp, gpus_per_node, c)
+        volume = tokens_mb / layout.tp * args.moe_top_k * h * 2 * 4
+        ep_time = c.ep_exposed * _ring(volume, layout.ep) / (ep_bw * 1e9) * layers * m
+    # FSDP: weights all-gathered forward and backward and gradients reduce-scattered (fp32),
+    # every micro-batch; HSDP adds an all-reduce of the gradient shards across replicas.
+    fsdp_time = 0.0
+    stage_params = local_params(args, layout, True, layout.pp == 1,
+                                round(layers)) * layout.fsdp_shards
+    if layout.fsdp_shards > 1:
+        weight = 1 if layout.fp8 else 2
+        over = layout.dp_shard * layout.cp if layout.dp_shard * layout.cp > 1 \
+            else layout.dp_replicate
+        bw = shard_bw if layout.dp_shard * layout.cp > 1 else rep_bw
+        volume = _ring(stage_params * (2 * weight + 4), over)
+        fsdp_time = volume / (bw * 1e9) * m
+        if layout.dp_replicate > 1 and layout.dp_shard * layout.cp > 1:
+            fsdp_time += 2 * _ring(stage_params / over * 4, layout.dp_replicate) / (rep_bw * 1e9)
+    elif layout.dp_replicate > 1:
+        fsdp_time = 2 * _ring(stage_params * 4, layout.dp_replicate) / (rep_bw * 1e9)
+    fsdp_exposed = max(c.fsdp_exposed * fsdp_time, fsdp_time - compute)
+    # Pipeline bubble, and the optimizer step (fused AdamW: ~28 bytes per local parameter).
+    bubble = 0.0
+    if layout.pp > 1:
+        bubble = ideal_bubble(layout.pp_schedule, layout.pp, layout.pp_virtual_stages, m) * (
+            compute + tp_time + cp_time + ep_time)
+    optimizer = stage_params / layout.fsdp_shards * 28 / (c.hbm_gb_s * 1e9)
+    overhead = c.step_overhead_s + c.microbatch_overhead_s * m * layout.pp_virtual_stages
+    step = compute + tp_time + cp_time + ep_time + fsdp_exposed + bubble + optimizer + overhead
+    tps = work.global_batch * seq / step / layout.world
+    return TimeEstimate(step, compute, bubble, fsdp_exposed, tp_time, cp_time, ep_time,
+                        optimizer, overhead, tps, tps * flops / peak)
