@@ -2,6 +2,8 @@
 
 import pytest
 
+from dtrain.train import main
+
 
 @pytest.mark.parametrize("args, message", [
     (["--recipe", "debug", "--training.step", "3"], "unknown key 'training.step'"),
@@ -12,12 +14,19 @@ import pytest
     (["--recipe", "debug", "--training.seq_len", "4096"], "exceeds the model's max_seq_len"),
     (["--recipe", "debug", "--parallel.tp", "2"], "do not divide the world size 1"),
 ])
-def test_bad_input_exits_2_with_one_line(cli, args, message):
-    result = cli(args)
+def test_bad_input_exits_2_with_one_line(capsys, args, message):
+    assert main(args) == 2  # what `python -m dtrain.train` exits with
+    stderr = capsys.readouterr().err
+    assert message in stderr
+    assert len(stderr.strip().splitlines()) == 1
+
+
+def test_bad_input_from_the_shell_exits_2_without_a_traceback(cli):
+    result = cli(["--recipe", "debug", "--training.step", "3"])
     assert result.returncode == 2, result.stderr
-    assert message in result.stderr
     assert "Traceback" not in result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "unknown key 'training.step'" in lines[0]
 
 
 def test_print_config_prints_resolved_config_and_exits(cli):

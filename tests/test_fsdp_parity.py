@@ -12,25 +12,27 @@ from dtrain.parallel.dims import ParallelDims
 AC_MODES = ["none", "full", "layer", "op"]
 
 
-def run_layout(tmp_path, nproc: int, parallel: dict) -> list[dict]:
+def run_layouts(tmp_path, nproc: int, layouts: list[dict]) -> list[dict]:
+    """Every layout with every checkpointing mode, in one launch."""
     return run_distributed(tmp_path, nproc, [
         {**BASE, **parallel, "activation_checkpoint.mode": mode,
-         "activation_checkpoint.every_n_layers": 2, "job.name": mode,
-         "job.output_dir": str(tmp_path)} for mode in AC_MODES])
+         "activation_checkpoint.every_n_layers": 2, "job.name": f"{i}-{mode}",
+         "job.output_dir": str(tmp_path)}
+        for i, parallel in enumerate(layouts) for mode in AC_MODES])
 
 
 # Global batch 8 of micro-batches of 1: the 2-rank layout accumulates 4 micro-batches, the 4-rank
 # ones 2, the single process 8.
-@pytest.mark.parametrize("nproc, parallel", [
-    (2, {"parallel.dp_shard": 2}),
-    (4, {"parallel.dp_shard": 4}),
-    (4, {"parallel.dp_replicate": 2, "parallel.dp_shard": 2}),
-], ids=["fsdp2", "fsdp4", "hsdp2x2"])
-def test_layout_matches_single_process(tmp_path, reference, nproc, parallel):
-    runs = run_layout(tmp_path, nproc, parallel)
-    assert [r["overrides"]["activation_checkpoint.mode"] for r in runs] == AC_MODES
+@pytest.mark.parametrize("nproc, layouts", [
+    (2, [{"parallel.dp_shard": 2}]),
+    (4, [{"parallel.dp_shard": 4}, {"parallel.dp_replicate": 2, "parallel.dp_shard": 2}]),
+], ids=["fsdp2", "fsdp4-hsdp2x2"])
+def test_layout_matches_single_process(tmp_path, reference, nproc, layouts):
+    runs = run_layouts(tmp_path, nproc, layouts)
+    assert [r["overrides"]["activation_checkpoint.mode"] for r in runs] == AC_MODES * len(layouts)
     for run in runs:
-        assert_same_run(run, reference, run["overrides"]["activation_checkpoint.mode"])
+        label = {k: v for k, v in run["overrides"].items() if k.startswith(("parallel", "act"))}
+        assert_same_run(run, reference, str(label))
 
 
 def test_activation_checkpointing_single_process_is_exact(tmp_path, reference):

@@ -36,13 +36,15 @@ SCHEDULE_VARIANTS = [
 
 @pytest.mark.parametrize("nproc, parallel, variants", [
     (2, {"parallel.pp": 2, "parallel.dp_shard": 1}, SCHEDULE_VARIANTS),
-    (4, {"parallel.pp": 2, "parallel.dp_shard": 2},
-     [{"parallel.pp_schedule": "1F1B"},
-      {"parallel.pp_schedule": "Interleaved1F1B", "parallel.pp_virtual_stages": 2}]),
-    (4, {"parallel.pp": 2, "parallel.tp": 2, "parallel.dp_shard": 1},
-     [{"parallel.pp_schedule": "1F1B"},
-      {"parallel.pp_schedule": "ZBVZeroBubble", "parallel.pp_virtual_stages": 2}]),
-], ids=["pp2-schedules", "pp2xfsdp2", "pp2xtp2"])
+    # One 4-rank launch: PP 2 x FSDP 2, then PP 2 x TP 2.
+    (4, {"parallel.pp": 2},
+     [{"parallel.dp_shard": 2, "parallel.pp_schedule": "1F1B"},
+      {"parallel.dp_shard": 2, "parallel.pp_schedule": "Interleaved1F1B",
+       "parallel.pp_virtual_stages": 2},
+      {"parallel.tp": 2, "parallel.dp_shard": 1, "parallel.pp_schedule": "1F1B"},
+      {"parallel.tp": 2, "parallel.dp_shard": 1, "parallel.pp_schedule": "ZBVZeroBubble",
+       "parallel.pp_virtual_stages": 2}]),
+], ids=["pp2-schedules", "pp2xfsdp2-pp2xtp2"])
 def test_pipeline_matches_single_process(tmp_path, reference_4_layers, nproc, parallel,
                                          variants):
     runs = run_distributed(tmp_path, nproc, specs(tmp_path, parallel, variants))

@@ -19,12 +19,14 @@ def specs(tmp_path, parallel: dict, variants: list[dict]) -> list[dict]:
     # TP only: 1 data rank, so 8 micro-batches are accumulated per step.
     (2, {"parallel.tp": 2, "parallel.dp_shard": 1},
      [{}, {"activation_checkpoint.mode": "op"}, {"parallel.loss_parallel": False}]),
-    (4, {"parallel.tp": 4, "parallel.dp_shard": 1},
-     [{}, {"activation_checkpoint.mode": "full"}]),
-    # 2-D: FSDP over 2 data ranks x TP 2, 4 micro-batches accumulated.
-    (4, {"parallel.tp": 2, "parallel.dp_shard": 2},
-     [{}, {"activation_checkpoint.mode": "op"}]),
-], ids=["tp2", "tp4", "tp2xfsdp2"])
+    # One 4-rank launch: TP 4, then 2-D FSDP over 2 data ranks x TP 2 (4 micro-batches
+    # accumulated).
+    (4, {},
+     [{"parallel.tp": 4, "parallel.dp_shard": 1},
+      {"parallel.tp": 4, "parallel.dp_shard": 1, "activation_checkpoint.mode": "full"},
+      {"parallel.tp": 2, "parallel.dp_shard": 2},
+      {"parallel.tp": 2, "parallel.dp_shard": 2, "activation_checkpoint.mode": "op"}]),
+], ids=["tp2", "tp4-tp2xfsdp2"])
 def test_tensor_parallel_matches_single_process(tmp_path, reference, nproc, parallel, variants):
     runs = run_distributed(tmp_path, nproc, specs(tmp_path, parallel, variants))
     for run, variant in zip(runs, variants, strict=True):
