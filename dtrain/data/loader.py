@@ -83,10 +83,21 @@ def build_text_dataset(cfg: DataConfig, tokenizer: Tokenizer, seq_len: int) -> P
     if not path.is_file():
         raise ConfigError(f"data.path: file {path} not found: set data.path to a .jsonl, .json "
                                 "or text file")
-    docs = list(read_documents(path, cfg.text_field))
-    ids = tokenizer.encode_batch(docs, bos=True, eos=True)
-    tokens = np.fromiter((t for doc in ids for t in doc), dtype=np.int64)
-    return PackedTokens(tokens, seq_len)
+    stat = path.stat()
+    key = (str(path), stat.st_mtime_ns, stat.st_size, cfg.text_field, tokenizer.file_key,
+           tokenizer.bos_id, tokenizer.eos_id)
+    if key not in _TOKENIZED:  # trainers built one after another in a process tokenize once
+        docs = list(read_documents(path, cfg.text_field))
+        ids = tokenizer.encode_batch(docs, bos=True, eos=True)
+        _TOKENIZED.clear()  # keep one file's tokens at most
+        tokens = np.fromiter((t for doc in ids for t in doc), dtype=np.int64)
+        tokens.flags.writeable = False  # shared by the trainers that read this file
+        _TOKENIZED[key] = tokens
+    return PackedTokens(_TOKENIZED[key], seq_len)
+
+
+# The last text file's tokens, keyed by the file's and the tokenizer's identity and settings.
+_TOKENIZED: dict[tuple, np.ndarray] = {}
 
 
 class DataLoader:

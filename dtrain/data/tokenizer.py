@@ -22,6 +22,8 @@ class Tokenizer:
             raise FileNotFoundError(f"tokenizer file {file} not found: set data.tokenizer to a "
                                     "tokenizer.json or a folder holding one")
         self._tok = HFTokenizer.from_file(str(file))
+        stat = file.stat()
+        self.file_key = (str(file), stat.st_mtime_ns, stat.st_size)  # identifies the vocabulary
         special = {}
         config = file.parent / "tokenizer_config.json"
         if config.is_file():

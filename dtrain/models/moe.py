@@ -24,9 +24,9 @@ A token's hidden state goes to ``top_k`` of ``n_experts`` SwiGLU experts chosen 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -167,9 +167,10 @@ class MoE(nn.Module):
         # Gradient of the aux losses per forward; the trainer sets it to 1 / (forwards whose
         # losses are averaged: micro-batches x sequence shards), as the LM loss is scaled.
         self.aux_grad_scale = 1.0
-        # The ranks a micro-batch's tokens are split over when the MoE runs on sequence shards
-        # (tensor parallel): the aux loss then uses their summed expert counts.
-        self.seq_group: dist.ProcessGroup | None = None
+        # Set from outside (dtrain.parallel) when a micro-batch's tokens are split over several
+        # ranks (sequence parallel): expert counts -> (their sum over those ranks, the number of
+        # ranks); the aux loss then uses the summed counts.
+        self.sum_over_shards: Callable[[torch.Tensor], tuple[torch.Tensor, int]] | None = None
         self.router = Router(dim, n_experts, top_k, score, norm_topk)
         self.experts = GroupedExperts(dim, hidden, n_experts, gemm)
         self.shared_expert = FeedForward(dim, shared_hidden) if shared_hidden else None
@@ -188,10 +189,9 @@ class MoE(nn.Module):
         expert = chosen.flatten()  # assignment i = token i // k, its (i % k)-th choice
         counts = torch.zeros(self.n_experts, dtype=torch.int64, device=x.device)
         counts.scatter_add_(0, expert, torch.ones_like(expert))
-        shards, all_counts = 1, counts
-        if self.seq_group is not None:
-            shards, all_counts = dist.get_world_size(self.seq_group), counts.clone()
-            dist.all_reduce(all_counts, group=self.seq_group)
+        all_counts, shards = counts, 1
+        if self.sum_over_shards is not None:
+            all_counts, shards = self.sum_over_shards(counts)
         aux = load_balancing_loss(scores, all_counts, k, shards)
         z = router_z_loss(logits)
         if torch.is_grad_enabled():  # training forwards only (not evaluation or shape probes)

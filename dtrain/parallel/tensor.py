@@ -13,6 +13,7 @@ vocabulary shards and full logits are never gathered.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
@@ -71,7 +72,16 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, loss_parallel: bool,
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, block_plan(block, float8))
         if isinstance(block.feed_forward, MoE):  # routes its sequence shard: see block_plan
-            block.feed_forward.seq_group = tp_mesh.get_group()
+            block.feed_forward.sum_over_shards = _sum_over(tp_mesh.get_group())
+
+
+def _sum_over(group: dist.ProcessGroup):
+    """``MoE.sum_over_shards`` for the ranks of ``group``."""
+    def sum_over_shards(counts: torch.Tensor) -> tuple[torch.Tensor, int]:
+        total = counts.clone()
+        dist.all_reduce(total, group=group)
+        return total, dist.get_world_size(group)
+    return sum_over_shards
 
 
 def block_plan(block: nn.Module, float8: bool = False) -> dict[str, ParallelStyle]:
