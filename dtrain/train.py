@@ -251,7 +251,8 @@ class Trainer:
             part.train()
         self.model = self.model_parts[0]
         # MoE aux losses: averaged over the forwards that see different tokens, as the LM loss.
-        for moe in moe_layers(self.model_parts).values():
+        self.moe_layers = moe_layers(self.model_parts)  # by layer index; empty for dense models
+        for moe in self.moe_layers.values():
             moe.aux_grad_scale = 1 / (self.grad_accum * self.dims.tp)
         # With loss parallel the logits are vocabulary-sharded DTensors: forward, loss and
         # backward run under loss_parallel(), and the loss is left uncompiled.
@@ -377,7 +378,7 @@ class Trainer:
         groups = [self.dims.mesh(n).get_group() for n in ("dp_cp", "tp", "pp")
                   if self.dims.mesh(n) is not None]
         args = self.model.args
-        return gather_moe_stats(self.model_parts, args.n_layers, args.n_experts, groups)
+        return gather_moe_stats(self.moe_layers, args.n_layers, args.n_experts, groups)
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor, float]:
         """One optimizer step over the global batch. Returns (mean token loss, gradient norm)
@@ -390,7 +391,7 @@ class Trainer:
         scale = self.dims.dp * self.dims.cp / tokens
         loss_sum = torch.zeros((), device=self.device)
         data_wait = 0.0
-        reset_moe_stats(self.model_parts)
+        reset_moe_stats(self.moe_layers)
         if self.pipeline is not None:
             start = time.perf_counter()
             batches = [self.loader.next_batch() for _ in range(self.grad_accum)]
@@ -416,7 +417,7 @@ class Trainer:
             self.checkpointer.wait_staged()  # an async save may still be copying the weights
         self.optimizer.step()
         if self.model.args.n_experts and self.model.args.moe_router == "sigmoid":
-            update_expert_bias(self.model_parts, self.moe_stats(),
+            update_expert_bias(self.moe_layers, self.moe_stats(),
                                self.config.model.moe_bias_update_rate)
         if self.fp8_all_gather:
             precompute_fp8_scales(self.model_parts)

@@ -30,11 +30,9 @@ def tiny_hf(folder, tied: bool, vocab: int = 256):
     return model
 
 
-@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_import_matches_hf_logits_and_export_loads_in_transformers(tmp_path, tied):
-    hf = tiny_hf(tmp_path / "hf", tied)
-    assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
-    args = import_hf(tmp_path / "hf", tmp_path / "ckpt")
+def assert_round_trip(hf, tmp_path, args):
+    """The imported checkpoint in ``tmp_path / "ckpt"`` gives ``hf``'s logits; its export to
+    ``tmp_path / "out"`` loads in transformers and gives them too. Returns the loaded model."""
     ours = load_model(tmp_path / "ckpt", args).eval()
     tokens = torch.randint(0, 256, (2, 40))
     with torch.no_grad():
@@ -43,10 +41,19 @@ def test_import_matches_hf_logits_and_export_loads_in_transformers(tmp_path, tie
     assert (got - want).abs().max().item() < ATOL
 
     export_hf(ours, tmp_path / "out", torch.float32)
-    back = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out").eval()
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     with torch.no_grad():
         again = back(tokens).logits
     assert (again - want).abs().max().item() < ATOL
+    return back
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_import_matches_hf_logits_and_export_loads_in_transformers(tmp_path, tied):
+    hf = tiny_hf(tmp_path / "hf", tied)
+    assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    back = assert_round_trip(hf, tmp_path, import_hf(tmp_path / "hf", tmp_path / "ckpt"))
+    assert isinstance(back, transformers.LlamaForCausalLM)
 
 
 def test_a_run_starts_from_imported_weights(tmp_path):
@@ -159,16 +166,5 @@ def test_mixtral_import_matches_hf_logits_and_export_loads_in_transformers(tmp_p
     assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
     args = import_hf(tmp_path / "hf", tmp_path / "ckpt")
     assert (args.n_experts, args.moe_top_k, args.expert_dim) == (4, 2, 96)
-    ours = load_model(tmp_path / "ckpt", args).eval()
-    tokens = torch.randint(0, 256, (2, 40))
-    with torch.no_grad():
-        want = hf(tokens).logits
-        got = ours(tokens)
-    assert (got - want).abs().max().item() < ATOL
-
-    export_hf(ours, tmp_path / "out", torch.float32)
-    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    back = assert_round_trip(hf, tmp_path, args)
     assert isinstance(back, transformers.MixtralForCausalLM)
-    with torch.no_grad():
-        again = back(tokens).logits
-    assert (again - want).abs().max().item() < ATOL

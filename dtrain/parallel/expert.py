@@ -114,17 +114,17 @@ def moe_layers(parts: list[nn.Module]) -> dict[int, MoE]:
             for name, m in part.named_modules() if isinstance(m, MoE)}
 
 
-def reset_moe_stats(parts: list[nn.Module]) -> None:
-    for moe in moe_layers(parts).values():
+def reset_moe_stats(layers: dict[int, MoE]) -> None:
+    for moe in layers.values():
         moe.reset_stats()
 
 
-def gather_moe_stats(parts: list[nn.Module], n_layers: int, n_experts: int,
+def gather_moe_stats(layers: dict[int, MoE], n_layers: int, n_experts: int,
                      groups: list[dist.ProcessGroup]) -> torch.Tensor:
     """Every layer's ``MoE.stats()`` (tokens per expert, aux and z-loss sums, forwards), summed
     over ``groups`` (the ranks that see different tokens, and the pipeline stages): a
-    ``[n_layers, n_experts + 3]`` tensor, zero rows for dense layers."""
-    layers = moe_layers(parts)
+    ``[n_layers, n_experts + 3]`` tensor, zero rows for dense layers. ``layers``: this rank's
+    MoE modules (``moe_layers``)."""
     device = next(iter(layers.values())).tokens_per_expert.device if layers else "cpu"
     table = torch.zeros(n_layers, n_experts + 3, device=device)
     for i, moe in layers.items():
@@ -154,9 +154,9 @@ def moe_record(table: torch.Tensor) -> dict[str, float | list[float]]:
     return record
 
 
-def update_expert_bias(parts: list[nn.Module], table: torch.Tensor, rate: float) -> None:
+def update_expert_bias(layers: dict[int, MoE], table: torch.Tensor, rate: float) -> None:
     """Aux-loss-free balancing step for sigmoid routers, from the step's global token counts
     (``gather_moe_stats``)."""
-    for i, moe in moe_layers(parts).items():
+    for i, moe in layers.items():
         if moe.router.score == "sigmoid":
             moe.update_expert_bias(table[i, :-3], rate)
