@@ -1,6 +1,9 @@
 """Run under torchrun by test_cp_parity.py: context-parallel attention of each comm type against
 causal attention of the whole sequence on one process, forward and backward, with grouped-query
-heads. Writes, from rank 0, the largest relative error of each output and gradient.
+heads. Writes, from rank 0, the largest relative error of each output and gradient, the result
+of ``torch.library.opcheck`` on each operator (schema, fake tensors for the compiler, autograd
+registration, AOT dispatch), and how often the operator runs again in backward under full and
+under selective (op) activation checkpointing.
 
     torchrun --nproc_per_node=N tests/cp_attention_runner.py OUT.json
 """
@@ -8,13 +11,39 @@ heads. Writes, from rank 0, the largest relative error of each output and gradie
 import json
 import os
 import sys
+from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint
 
 from dtrain.models.llama import causal_attention
-from dtrain.parallel.context import COMM_TYPES, ContextParallelAttention, load_balanced_positions
+from dtrain.parallel.activation_checkpoint import _op_context
+from dtrain.parallel.context import (COMM_TYPES, CP_ATTENTION_OPS, ContextParallelAttention,
+                                     load_balanced_positions)
+
+
+class CountOps(TorchDispatchMode):
+    """Counts the context-parallel attention operators that reach the dispatcher."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func in CP_ATTENTION_OPS
+        return func(*args, **(kwargs or {}))
+
+
+def recomputed(attention, local, dout, context_fn) -> int:
+    """Times the attention operator runs during backward of a checkpointed call."""
+    inputs = [t.detach().requires_grad_() for t in local]
+    out = checkpoint(attention, *inputs, use_reentrant=False, context_fn=context_fn)
+    with CountOps() as counter:
+        out.backward(dout)
+    return counter.count
 
 
 def main() -> None:
@@ -39,6 +68,15 @@ def main() -> None:
         errors[comm_type] = {name: ((got - want[:, index]).abs().max()
                                     / want[:, index].abs().max()).item()
                              for name, got, want in pairs}
+        attention = ContextParallelAttention(mesh, comm_type, [])
+        op = getattr(torch.ops.dtrain, f"cp_{'ring' if comm_type == 'p2p' else comm_type}_attention")
+        inputs = [t.detach().requires_grad_() for t in local]
+        check = torch.library.opcheck(op, (*inputs, attention.group_name, "math"))
+        errors[comm_type]["opcheck"] = sorted(check.values())
+        errors[comm_type]["recomputed"] = {
+            "full": recomputed(attention, local, dout[:, index],
+                               torch.utils.checkpoint.noop_context_fn),
+            "op": recomputed(attention, local, dout[:, index], partial(_op_context, False))}
     if rank == 0:
         with open(sys.argv[1], "w") as f:
             json.dump(errors, f)

@@ -70,6 +70,12 @@ def test_attention_matches_whole_sequence_causal_attention(tmp_path, cp):
     errors = json.loads((tmp_path / "out.json").read_text())
     assert set(errors) == set(COMM_TYPES)
     for comm_type, by_output in errors.items():
+        # The operator's fake (compiler) implementation, schema and autograd registration agree
+        # with the real one.
+        assert by_output.pop("opcheck") == ["SUCCESS"] * 4, comm_type
+        # Full checkpointing runs the attention again in backward; the selective (op) policy
+        # keeps its outputs, so neither attention nor its communication is repeated.
+        assert by_output.pop("recomputed") == {"full": 1, "op": 0}, comm_type
         assert set(by_output) == {"out", "dq", "dk", "dv"}
         for name, error in by_output.items():
             assert error < 1e-12, (comm_type, name, error)

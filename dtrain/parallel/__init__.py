@@ -41,7 +41,7 @@ def parallelize(model: Transformer, dims: ParallelDims, mesh: DeviceMesh | None,
     apply_activation_checkpointing(model, ac)
     if compile.enabled:
         # MoE layers read their expert counts on the host (loop or all-to-all splits).
-        apply_compile(model, fullgraph=dims.cp == 1 and not model.args.n_experts)
+        apply_compile(model, fullgraph=not model.args.n_experts)
     if mesh is not None and dims.fsdp_enabled:
         reduce_dtype = torch.float32 if parallel.fsdp_reduce_dtype == "fp32" else torch.bfloat16
         apply_fsdp(model, dims.fsdp_mesh(), param_dtype, reduce_dtype,

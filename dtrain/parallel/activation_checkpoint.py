@@ -16,6 +16,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from dtrain.config import ActivationCheckpointConfig
 from dtrain.models.llama import Transformer
+from dtrain.parallel.context import CP_ATTENTION_OPS
 
 _aten = torch.ops.aten
 # Outputs worth keeping: expensive to recompute relative to their size.
@@ -29,6 +30,8 @@ SAVE_OPS = {
     torch.ops._c10d_functional.all_reduce.default,
     # FP8: the absolute maximum that scales a tensor costs a full read for one number.
     _aten.max.default,
+    # Context-parallel attention: recomputing it would attend and communicate again.
+    *CP_ATTENTION_OPS,
 }
 
 
