@@ -105,7 +105,12 @@ def main() -> None:
     barrier()
     start = time.perf_counter()
     async_pause = timed(lambda: ckpt.save(2), "asynchronous save: training paused")
-    steps_during = steps(args.steps)  # the first waits for the copy off the device, if needed
+    # Each step separately: the first waits for the copy off the device, if unfinished.
+    during = [steps(1) for _ in range(args.steps)]
+    steps_during = sum(during) / len(during)
+    if trainer.rank == 0:
+        print("steps during the asynchronous write: "
+              + ", ".join(f"{s:.2f}s" for s in during), flush=True)
     timed(ckpt.wait, "asynchronous save: waiting for the write after the steps")
     async_total = time.perf_counter() - start
     clear()
@@ -125,6 +130,7 @@ def main() -> None:
         "load_s": round(load, 2),
         "async_pause_s": round(async_pause, 2),
         "step_time_during_async_write_s": round(steps_during, 3),
+        "steps_during_async_write_s": [round(s, 3) for s in during],
         "async_complete_s": round(async_total, 2),
         **summary_extra,
         "commit": commit(),

@@ -29,11 +29,13 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """The part of a parameter this process holds (all of it unless expert parallel split it)."""
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    """The part of a parameter this process holds (all of it unless expert parallel split it).
+    An isinstance check, which torch.compile traces (it does not trace ``hasattr`` on a DTensor)."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def grouped_mm_available(x: torch.Tensor) -> bool:
