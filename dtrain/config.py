@@ -124,6 +124,10 @@ class TrainingConfig:
     """Where to train; auto takes CUDA when present."""
     deterministic: bool = False
     """Ask torch for deterministic kernels (slower)."""
+    gc_interval: int = 50
+    """Python's automatic garbage collection is off while training (its pauses would land at
+    random inside steps, stalling the device's queue) and a young-generation collection runs
+    every this many steps; 0 leaves Python's collector alone."""
 
 
 @dataclass
@@ -313,6 +317,7 @@ _RANGES: dict[tuple[str, str], tuple[typing.Callable[[Any], bool], str]] = {
     ("training", "global_batch_size"): (lambda v: v >= 0, "an integer >= 0"),
     ("training", "micro_batch_size"): (lambda v: v >= 1, "an integer >= 1"),
     ("training", "grad_accum_steps"): (lambda v: v >= 0, "an integer >= 0"),
+    ("training", "gc_interval"): (lambda v: v >= 0, "an integer >= 0 (0: automatic collection)"),
     ("training", "max_norm"): (lambda v: v >= 0, "a number >= 0"),
     ("optimizer", "lr"): (lambda v: v > 0, "a number > 0"),
     ("optimizer", "betas"): (lambda v: len(v) == 2 and all(0 <= b < 1 for b in v),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import gc
 import os
 import sys
 import time
@@ -428,17 +429,28 @@ class Trainer:
     def train(self, until: int | None = None) -> list[dict[str, float]]:
         """Runs to ``training.steps`` (or stops after step ``until``: the schedule still spans
         ``training.steps``); returns the logged records (also in metrics.jsonl)."""
-        tcfg, mcfg = self.config.training, self.config.metrics
+        tcfg = self.config.training
         last = min(until or tcfg.steps, tcfg.steps)
-        tokens_per_step = self.global_batch * tcfg.seq_len
-        interval_start, interval_steps, data_wait = time.perf_counter(), 0, 0.0
-        run_start, first_step = interval_start, self.step  # first_step > 0 after a resume
+        run_start, first_step = time.perf_counter(), self.step  # first_step > 0 after a resume
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+        with manual_gc(tcfg.gc_interval) as collect:
+            self._train_loop(last, first_step, run_start, collect)
+        if self.checkpointer:
+            self.checkpointer.close()
+        self.loader.close()
+        self.metrics.close()
+        return self.history
+
+    def _train_loop(self, last: int, first_step: int, run_start: float, collect) -> None:
+        tcfg, mcfg = self.config.training, self.config.metrics
+        tokens_per_step = self.global_batch * tcfg.seq_len
+        interval_start, interval_steps, data_wait = run_start, 0, 0.0
         while self.step < last:
             lr = self.optimizer.param_groups[0]["lr"]
             loss, grad_norm, wait = self.train_step()
             self.step += 1
+            collect(self.step)
             interval_steps += 1
             data_wait += wait
             ckpt = self.config.checkpoint
@@ -485,16 +497,29 @@ class Trainer:
             self.history.append({"step": self.step, **record})
             self.metrics.log(self.step, tcfg.steps, record)
             interval_start, interval_steps, data_wait = time.perf_counter(), 0, 0.0
-        if self.checkpointer:
-            self.checkpointer.close()
-        self.loader.close()
-        self.metrics.close()
-        return self.history
 
     def close(self) -> None:
         """Leaves the process group (for notebooks that build several trainers)."""
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def manual_gc(interval: int):
+    """Python's automatic garbage collection off for the block, and a function of the step that
+    collects the young generations every ``interval`` steps; the collector's state is restored
+    after (notebooks go on with it). ``interval`` 0: nothing changes."""
+    if interval <= 0:
+        yield lambda step: None
+        return
+    was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield lambda step: gc.collect(1) if step % interval == 0 else None
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def moe_overrides(cfg: ModelConfig) -> dict[str, object]:

@@ -21,8 +21,12 @@ from torch.utils.checkpoint import checkpoint
 
 from dtrain.models.llama import causal_attention
 from dtrain.parallel.activation_checkpoint import _op_context
-from dtrain.parallel.context import (COMM_TYPES, CP_ATTENTION_OPS, ContextParallelAttention,
-                                     load_balanced_positions)
+from dtrain.parallel.context import (
+    COMM_TYPES,
+    CP_ATTENTION_OPS,
+    ContextParallelAttention,
+    load_balanced_positions,
+)
 
 
 class CountOps(TorchDispatchMode):
@@ -69,7 +73,8 @@ def main() -> None:
                                     / want[:, index].abs().max()).item()
                              for name, got, want in pairs}
         attention = ContextParallelAttention(mesh, comm_type, [])
-        op = getattr(torch.ops.dtrain, f"cp_{'ring' if comm_type == 'p2p' else comm_type}_attention")
+        name = "ring" if comm_type == "p2p" else comm_type
+        op = getattr(torch.ops.dtrain, f"cp_{name}_attention")
         inputs = [t.detach().requires_grad_() for t in local]
         check = torch.library.opcheck(op, (*inputs, attention.group_name, "math"))
         errors[comm_type]["opcheck"] = sorted(check.values())

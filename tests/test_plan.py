@@ -1,6 +1,8 @@
 """The planner's memory and time models, the dry run of every recipe at its full world size,
 and the planner's choices for published layouts."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -93,10 +95,14 @@ MEASURED = {
         Workload(A8, 8192, 8),
         Layout(pp=2, pp_virtual_stages=2, pp_schedule="Interleaved1F1B", ac="none"), 128.9, 9129),
     "CP 2 a2a, seq 32768, op AC": (Workload(A8, 32768, 1), Layout(cp=2, cp_comm_type="a2a"),
-                                   85.5, 5888),
-    "CP 2 p2p, seq 32768, op AC": (Workload(A8, 32768, 1), Layout(cp=2), 87.6, 4861),
+                                   86.5, 6302),
+    "CP 2 p2p, seq 32768, op AC": (Workload(A8, 32768, 1), Layout(cp=2), 81.5, 6358),
     "FP8 FSDP 2, no AC": (Workload(A8, 8192, 2), Layout(dp_shard=2, ac="none", fp8=True), 81.5,
                           10471),
+    "FP8 FSDP 2, op AC": (Workload(A8, 8192, 2), Layout(dp_shard=2, fp8=True), 63.8, 10383),
+    # Mixtral 8x7B blocks (4 of them), 8 experts top-2, EP 2, seq 4096, micro-batch 2.
+    "EP 2 Mixtral, no AC": (Workload(replace(model_args("mixtral_8x7b"), n_layers=4), 4096, 8),
+                            Layout(dp_shard=2, ep=2, micro_batch=2, ac="none"), 61.4, 39007),
 }
 
 

@@ -1,12 +1,14 @@
 """End-to-end training: the loss falls, the run folder is complete, and data parallel over two
 processes reproduces the single-process run."""
 
+import gc
 import json
 
 import pytest
 import torch
 
 from dtrain import Trainer, load_config
+from dtrain.train import manual_gc
 
 
 def read_metrics(run_dir) -> list[dict]:
@@ -21,10 +23,38 @@ def test_debug_recipe_loss_falls_clearly(tmp_path):
                                 "model.n_layers": 2,
                                 "lr_schedule.warmup_steps": 10, "job.output_dir": str(tmp_path)})
     trainer = Trainer(cfg)
+    collector_on = []  # Python's automatic garbage collection during each step
+    step = trainer.train_step
+    trainer.train_step = lambda: (collector_on.append(gc.isenabled()), step())[1]
     history = trainer.train()
     first, last = history[0]["loss"], history[-1]["loss"]
     assert first > 8.0  # near-uniform predictions at initialisation: ln(4096) = 8.3
     assert last <= 0.7 * first, (first, last)
+    assert collector_on == [False] * 80 and gc.isenabled()
+
+
+def test_manual_gc_collects_every_interval_and_restores_the_collector():
+    collections = []
+
+    def record(phase, info):
+        if phase == "start":
+            collections.append(info["generation"])
+
+    gc.callbacks.append(record)
+    try:
+        with manual_gc(3) as collect:
+            assert not gc.isenabled()
+            collections.clear()  # the full collection on entry
+            for step in range(1, 10):
+                collect(step)
+        assert collections == [1, 1, 1]  # steps 3, 6, 9: the young generations
+        assert gc.isenabled()
+        with manual_gc(0) as collect:  # 0: Python's collector as it was
+            assert gc.isenabled()
+            collect(3)
+        assert collections == [1, 1, 1]
+    finally:
+        gc.callbacks.remove(record)
 
 
 def test_run_folder_holds_config_metrics_and_tensorboard(tmp_path):

@@ -365,7 +365,8 @@ def _gather_kv(k: torch.Tensor, v: torch.Tensor, shards: _Shards) -> torch.Tenso
     kv = torch.stack([k, v])
     gathered = kv.new_empty((shards.size * 2, *kv.shape[1:]))
     dist.all_gather_into_tensor(gathered, kv, group=shards.group)
-    gathered = gathered.unflatten(0, (shards.size, 2)).permute(1, 2, 3, 0, 4, 5).flatten(3, 4)  # seq in rank order
+    # (cp, 2, b, h, s, d) -> (2, b, h, cp x s, d): the sequence in rank order.
+    gathered = gathered.unflatten(0, (shards.size, 2)).permute(1, 2, 3, 0, 4, 5).flatten(3, 4)
     return shards.reorder(gathered, shards.natural_order, dim=3)
 
 

@@ -26,9 +26,6 @@ class Constants:
     """Share of the peak reached by the weight matmuls of a compiled block."""
     attention_efficiency: float = 0.45
     """Share of the peak reached by causal attention (FLOPs counted without the masked half)."""
-    ring_attention_slowdown: float = 1.6
-    """Attention-time factor of ring (p2p) context parallel: flash kernels on blocks, merged by
-    log-sum-exp, against one cuDNN call on the whole (all-to-all) sequence."""
     eager_slowdown: float = 1.045
     """Step-time factor of eager (uncompiled) blocks."""
     fp8_matmul_speedup: float = 1.15
@@ -66,10 +63,13 @@ class Constants:
     """Tensors of a full hidden width per token and layer that sequence parallel keeps
     unsharded (gathered inputs of the column-parallel and partial outputs of the row-parallel
     matmuls)."""
-    cp_saved: float = 2.0
-    """Tensors of a full hidden width per local token and layer that context-parallel
-    attention keeps besides the block's own (received K/V, partial outputs, the head-split
-    q/k/v of the all-to-all)."""
+    cp_saved_p2p: float = 0.7
+    """Tensors of a full hidden width per local token and layer that context-parallel attention
+    keeps besides the block's own, ring (p2p) and all-gather: its rotated q, k, v inputs and
+    log-sum-exp."""
+    cp_saved_a2a: float = 2.0
+    """The same for the all-to-all (Ulysses): the head-split q, k, v and output over the whole
+    sequence."""
     loss_bytes: float = 5.2
     """Bytes per token and vocabulary entry held by the output layer and loss (bf16 logits,
     their gradient, the loss's fp32 pieces), compiled; eager adds ``loss_bytes_eager``."""

@@ -166,7 +166,8 @@ def activation_bytes(work: Workload, layout: Layout, c: Constants, last: bool,
     full_layer = layer_activation_elements(args, tokens, layout) * 2
     sp_full = c.sp_gathered * args.dim * tokens * 2 if layout.tp > 1 else 0.0
     if layout.cp > 1:
-        sp_full += c.cp_saved * args.dim / layout.tp * tokens * 2
+        saved = c.cp_saved_a2a if layout.cp_comm_type == "a2a" else c.cp_saved_p2p
+        sp_full += saved * args.dim / layout.tp * tokens * 2
     eager = (1.0 if layout.compiled else c.act_eager) * (c.act_fp8 if layout.fp8 else 1.0)
     if layout.ac == "none":
         kept = (c.act_none * full_layer + sp_full) * eager

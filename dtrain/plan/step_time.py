@@ -60,8 +60,7 @@ def estimate_time(work: Workload, layout: Layout, gpus_per_node: int = 8,
     attention = 12 * args.n_layers * args.n_heads * args.head_dim * seq
     matmul_eff = c.matmul_efficiency * (c.fp8_matmul_speedup if layout.fp8 else 1.0)
     peak = c.peak_tflops * 1e12
-    attention_eff = c.attention_efficiency / (
-        c.ring_attention_slowdown if layout.cp > 1 and layout.cp_comm_type == "p2p" else 1.0)
+    attention_eff = c.attention_efficiency  # context-parallel blocks run on the same kernel
     compute = tokens_rank * ((flops - attention) / (peak * matmul_eff)
                              + attention / 2 / (peak * attention_eff))
     compute *= 1 + {"none": 0.0, "op": c.recompute_op, "full": c.recompute_full}[layout.ac]
