@@ -57,7 +57,7 @@ def test_context_parallel_matches_single_process(tmp_path, reference_256, nproc,
         assert run["compute_dtype"] == "torch.float32"
 
 
-@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("cp", [4])  # every kind of ring block; cp 2 runs in the model tests
 def test_attention_matches_whole_sequence_causal_attention(tmp_path, cp):
     # float64 on every rank: only the order of sums differs from one process, so the outputs
     # and gradients agree to ~1e-15; 1e-12 leaves room and still catches any masking error.

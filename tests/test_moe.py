@@ -5,6 +5,9 @@ import math
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from dtrain import load_config
 from dtrain.metrics import model_flops_per_token
@@ -168,3 +171,22 @@ def test_expert_bias_moves_towards_balance():
     layer.router.expert_bias.zero_()
     layer.update_expert_bias(torch.tensor([10.0, 2.0, 2.0, 2.0]), rate=0.01)
     assert torch.allclose(layer.router.expert_bias, torch.tensor([-0.01, 0.01, 0.01, 0.01]))
+
+
+def test_expert_parallel_weights_trace_under_compile():
+    # Expert parallel makes the experts' weights DTensors; the experts compute on the local
+    # shard, read in a way torch.compile traces (it once took the DTensor itself and failed).
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        experts = moe().experts
+        plain = [p.detach().clone() for p in (experts.w1, experts.w2, experts.w3)]
+        for name, param in list(experts.named_parameters()):
+            experts.register_parameter(
+                name, torch.nn.Parameter(distribute_tensor(param.detach(), mesh, [Shard(0)])))
+        x, counts = torch.randn(10, 16), torch.tensor([3, 2, 4, 1])
+        torch._dynamo.reset()
+        out = torch.compile(experts, backend="eager")(x, counts)
+        torch.testing.assert_close(out, looped_swiglu(x, counts, *plain))
+    finally:
+        dist.destroy_process_group()

@@ -44,7 +44,7 @@ def test_manual_gc_collects_every_interval_and_restores_the_collector():
     try:
         with manual_gc(3) as collect:
             assert not gc.isenabled()
-            collections.clear()  # the full collection on entry
+            collections.clear()  # the collection on entry
             for step in range(1, 10):
                 collect(step)
         assert collections == [1, 1, 1]  # steps 3, 6, 9: the young generations
