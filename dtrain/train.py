@@ -513,7 +513,7 @@ def manual_gc(interval: int):
         yield lambda step: None
         return
     was_enabled = gc.isenabled()
-    gc.collect(1)  # the young generations; a full collection of a large heap costs seconds
+    gc.collect(1)  # the young generations (a full collection walks the whole heap)
     gc.disable()
     try:
         yield lambda step: gc.collect(1) if step % interval == 0 else None

@@ -24,6 +24,7 @@ from dtrain.parallel.activation_checkpoint import _op_context
 from dtrain.parallel.context import (
     COMM_TYPES,
     CP_ATTENTION_OPS,
+    CP_OPS,
     ContextParallelAttention,
     load_balanced_positions,
 )
@@ -73,10 +74,8 @@ def main() -> None:
                                     / want[:, index].abs().max()).item()
                              for name, got, want in pairs}
         attention = ContextParallelAttention(mesh, comm_type, [])
-        name = "ring" if comm_type == "p2p" else comm_type
-        op = getattr(torch.ops.dtrain, f"cp_{name}_attention")
         inputs = [t.detach().requires_grad_() for t in local]
-        check = torch.library.opcheck(op, (*inputs, attention.group_name, "math"))
+        check = torch.library.opcheck(CP_OPS[comm_type], (*inputs, attention.group_name, "math"))
         errors[comm_type]["opcheck"] = sorted(check.values())
         errors[comm_type]["recomputed"] = {
             "full": recomputed(attention, local, dout[:, index],

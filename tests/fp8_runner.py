@@ -27,7 +27,7 @@ def train(fp8: bool = True) -> tuple[list[float], bool]:
     rank = dist.get_rank() if dist.is_initialized() else 0
     model = build("llama3_debug", device="meta", n_layers=2)
     if fp8:
-        convert_to_fp8(model, FP8Config(enabled=True), fsdp=world > 1, emulate=True)
+        convert_to_fp8(model, FP8Config(enabled=True, emulate=True), fsdp=world > 1)
     if world > 1:
         from torch.distributed.device_mesh import init_device_mesh
 

@@ -220,6 +220,20 @@ def test_training_in_fp8_on_the_cpu_is_refused():
         Trainer(load_config("debug", {"fp8.enabled": True, "training.device": "cpu"}))
 
 
+def test_emulated_fp8_trains_on_the_cpu_and_is_torchao_only(tmp_path):
+    trainer = Trainer(load_config("debug", {
+        "fp8.enabled": True, "fp8.emulate": True, "training.device": "cpu", "model.n_layers": 1,
+        "training.steps": 2, "metrics.log_every": 1, "metrics.tensorboard": False,
+        "job.output_dir": str(tmp_path)}))
+    converted, _ = trainer.fp8_layers
+    assert "layers.0.attention.wq" in converted
+    assert isinstance(trainer.model.get_submodule("layers.0.attention.wq"), Float8Linear)
+    losses = [record["loss"] for record in trainer.train()]
+    assert len(losses) == 2 and all(0 < loss < 10 for loss in losses)
+    with pytest.raises(ConfigError, match=r"^fp8.emulate = true is a torchao option"):
+        check_fp8(fp8(backend="te", emulate=True), torch.device("cpu"), tp=1, compiled=False)
+
+
 def test_gpus_older_than_ada_are_refused_by_name(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100 80GB")
@@ -286,7 +300,7 @@ def test_float8_linear_is_close_to_fp32(recipe):
     linear = nn.Linear(64, 128, bias=False)
     model = nn.Sequential(nn.Linear(64, 128, bias=False))
     model.load_state_dict({"0.weight": linear.weight.detach()})
-    convert_to_fp8(model, fp8(recipe=recipe, filter_fqns=[]), fsdp=False, emulate=True)
+    convert_to_fp8(model, fp8(recipe=recipe, filter_fqns=[], emulate=True), fsdp=False)
     assert isinstance(model[0], Float8Linear)
     x = torch.randn(8, 32, 64)
     got, want = model(x), linear(x)

@@ -33,7 +33,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.nn.attention import SDPBackend
 
 from dtrain.config import ConfigError
-from dtrain.models.llama import Transformer
+from dtrain.models.llama import Transformer, expand_kv
 
 COMM_TYPES = ("p2p", "all_gather", "a2a")
 _aten = torch.ops.aten
@@ -96,12 +96,8 @@ class ContextParallelAttention:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (batch, local seq, heads, head_dim), k and v with the KV heads -> the attention
         output of the local queries, (batch, local seq, heads, head_dim)."""
-        kernel = _kernel(q, self.backends)
-        if self.comm_type == "p2p":
-            return torch.ops.dtrain.cp_ring_attention(q, k, v, self.group_name, kernel)[0]
-        if self.comm_type == "all_gather":
-            return torch.ops.dtrain.cp_all_gather_attention(q, k, v, self.group_name, kernel)[0]
-        return torch.ops.dtrain.cp_a2a_attention(q, k, v, self.group_name, kernel)[0]
+        op = CP_OPS[self.comm_type]
+        return op(q, k, v, self.group_name, _kernel(q, self.backends))[0]
 
 
 def _kernel(q: torch.Tensor, backends: list) -> str:
@@ -238,11 +234,9 @@ def _attend_backward(dout, q, k, v, out, lse, causal: bool, kernel: str):
 
 
 def _expand_heads(k: torch.Tensor, v: torch.Tensor, repeat: int):
-    """Grouped-query expansion for (batch, heads, seq, head_dim) tensors (KV head j serves query
-    heads j * repeat ... (j + 1) * repeat - 1, as in the model)."""
-    if repeat == 1:
-        return k, v
-    return tuple(t.unsqueeze(2).expand(-1, -1, repeat, -1, -1).flatten(1, 2) for t in (k, v))
+    """The model's grouped-query expansion for (batch, heads, seq, head_dim) tensors."""
+    k, v = expand_kv(k.transpose(1, 2), v.transpose(1, 2), repeat)
+    return k.transpose(1, 2), v.transpose(1, 2)
 
 
 def _math_dtype(q: torch.Tensor) -> torch.dtype:
@@ -490,14 +484,8 @@ def _fake_grads(*tensors: torch.Tensor):
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors)
 
 
-@_ring_attention.register_fake
-def _(q, k, v, group, kernel):
-    return _fake_out(q)
-
-
-@_all_gather_attention.register_fake
-def _(q, k, v, group, kernel):
-    return _fake_out(q)
+_ring_attention.register_fake(lambda q, k, v, group, kernel: _fake_out(q))
+_all_gather_attention.register_fake(lambda q, k, v, group, kernel: _fake_out(q))
 
 
 @_a2a_attention.register_fake
@@ -511,14 +499,9 @@ def _(q, k, v, group, kernel):
             q.new_empty((b, h // n, s * n), dtype=_math_dtype(q)))
 
 
-@_ring_attention_backward.register_fake
-def _(dout, q, k, v, out, lse, group, kernel):
-    return _fake_grads(q, k, v)
-
-
-@_all_gather_attention_backward.register_fake
-def _(dout, q, k, v, out, lse, group, kernel):
-    return _fake_grads(q, k, v)
+for _backward_op in (_ring_attention_backward, _all_gather_attention_backward):
+    _backward_op.register_fake(lambda dout, q, k, v, out, lse, group, kernel:
+                               _fake_grads(q, k, v))
 
 
 @_a2a_attention_backward.register_fake
@@ -555,7 +538,9 @@ _all_gather_attention.register_autograd(
 _a2a_attention.register_autograd(_backward_with(torch.ops.dtrain.cp_a2a_attention_backward),
                                  setup_context=_save_head_split)
 
-# The outputs selective activation checkpointing keeps (dtrain.parallel.activation_checkpoint).
-CP_ATTENTION_OPS = (torch.ops.dtrain.cp_ring_attention.default,
-                    torch.ops.dtrain.cp_all_gather_attention.default,
-                    torch.ops.dtrain.cp_a2a_attention.default)
+# The operator of each comm type; selective activation checkpointing keeps their outputs
+# (dtrain.parallel.activation_checkpoint).
+CP_OPS = {"p2p": torch.ops.dtrain.cp_ring_attention,
+          "all_gather": torch.ops.dtrain.cp_all_gather_attention,
+          "a2a": torch.ops.dtrain.cp_a2a_attention}
+CP_ATTENTION_OPS = tuple(op.default for op in CP_OPS.values())

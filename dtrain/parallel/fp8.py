@@ -55,8 +55,14 @@ def require_backend(backend: str):
 
 
 def check_fp8(cfg: FP8Config, device: torch.device, tp: int, compiled: bool) -> None:
-    """Refuses FP8 where it cannot run: off CUDA, on GPUs older than compute capability 8.9,
-    without the backend installed, and TE with tensor parallel or compile."""
+    """Refuses FP8 where it cannot run: off CUDA, on GPUs older than compute capability 8.9
+    (unless emulated), without the backend installed, and TE with tensor parallel or compile."""
+    if cfg.emulate:
+        if cfg.backend != "torchao":
+            raise ConfigError("fp8.emulate = true is a torchao option: set fp8.backend = "
+                              "'torchao' or fp8.emulate = false")
+        require_backend(cfg.backend)
+        return
     if device.type != "cuda":
         raise ConfigError("fp8.enabled = true needs CUDA GPUs of compute capability 8.9 or newer "
                           "(Ada, Hopper, Blackwell) but this run is on the CPU: set "
@@ -105,11 +111,10 @@ def float8_tensor_parallel(cfg: FP8Config | None) -> bool:
             and cfg.recipe == "tensorwise")
 
 
-def convert_to_fp8(model: nn.Module, cfg: FP8Config, fsdp: bool,
-                   emulate: bool = False) -> tuple[list[str], list[str]]:
+def convert_to_fp8(model: nn.Module, cfg: FP8Config, fsdp: bool) -> tuple[list[str], list[str]]:
     """Swaps, in place, the ``nn.Linear`` layers of ``model`` that pass ``fp8_filter`` for FP8
     ones of ``cfg.backend``; on a ``meta`` model nothing is allocated. ``fsdp`` turns on FP8
-    all-gather where ``fp8_all_gather`` says so. ``emulate`` (torchao only) computes the FP8
+    all-gather where ``fp8_all_gather`` says so; ``cfg.emulate`` (torchao) computes the FP8
     matmuls in high precision, for machines without FP8 units. Returns the names of the
     converted layers and of the linear layers kept as they were."""
     convert = fp8_filter(model, cfg.filter_fqns)
@@ -120,7 +125,7 @@ def convert_to_fp8(model: nn.Module, cfg: FP8Config, fsdp: bool,
     if cfg.backend == "torchao":
         config = backend.Float8LinearConfig.from_recipe_name(cfg.recipe)
         config = dataclasses.replace(
-            config, enable_fsdp_float8_all_gather=fp8_all_gather(cfg, fsdp), emulate=emulate)
+            config, enable_fsdp_float8_all_gather=fp8_all_gather(cfg, fsdp), emulate=cfg.emulate)
         backend.convert_to_float8_training(model, config=config, module_filter_fn=convert)
     else:
         for name in converted:
