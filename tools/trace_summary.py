@@ -1,0 +1,154 @@
+"""Where device time goes in a Chrome trace from torch.profiler, and how two traces differ.
+
+    python tools/trace_summary.py TRACE.json[.gz] [--steps N]
+    python tools/trace_summary.py A.json B.json --steps 2 1 --labels dtrain torchtitan
+
+Per traced step and GPU 0 it gives: the traced wall span, the time some compute kernel ran
+(the union of non-NCCL kernels), the compute-idle time and its largest gaps, NCCL time by
+collective, and kernel time by category (matmul, attention, fused Triton, FSDP copies, optimizer,
+other). With two traces it prints them side by side and the kernels whose time per step differs
+most. Works on the traces ``tools/bench.py --profile`` writes and on torchtitan's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import re
+from collections import defaultdict
+from pathlib import Path
+
+CATEGORIES = [  # first match wins
+    ("nccl", re.compile(r"nccl", re.I)),
+    ("attention", re.compile(r"cudnn|flash|fmha|attn|sdpa", re.I)),
+    ("matmul", re.compile(r"gemm|nvjet|cutlass|xmma|wgmma|sm90_|scaled_mm", re.I)),
+    ("fsdp copy", re.compile(r"foreach_copy|chunk_cat|split_with_sizes|CatArrayBatched", re.I)),
+    ("optimizer", re.compile(r"adam|multi_tensor_apply|foreach", re.I)),
+    ("fused triton", re.compile(r"^triton_")),
+    ("copy/fill", re.compile(r"copy|fill|memcpy|memset", re.I)),
+]
+
+
+def category(name: str) -> str:
+    for label, pattern in CATEGORIES:
+        if pattern.search(name):
+            return label
+    return "other"
+
+
+def load_kernels(path: Path) -> tuple[list[dict], int]:
+    """GPU kernel and memcpy/memset events of the lowest-numbered device, and the number of
+    ``ProfilerStep`` annotations (0 when the trace has none)."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        events = json.load(f)["traceEvents"]
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy",
+                                                                          "gpu_memset")]
+    devices = {e.get("args", {}).get("device", 0) for e in kernels}
+    device = min(devices) if devices else 0
+    kernels = [e for e in kernels if e.get("args", {}).get("device", 0) == device]
+    steps = {e["name"] for e in events
+             if e.get("ph") == "X" and str(e.get("name", "")).startswith("ProfilerStep#")}
+    return kernels, len(steps)
+
+
+def union_length(intervals: list[tuple[float, float]]) -> tuple[float, list[tuple[float, float]]]:
+    """Total covered length of ``intervals`` and the gaps between covered stretches."""
+    covered, gaps, end = 0.0, [], None
+    for start, stop in sorted(intervals):
+        if end is None or start > end:
+            if end is not None:
+                gaps.append((end, start))
+            covered += stop - start
+            end = stop
+        elif stop > end:
+            covered += stop - end
+            end = stop
+    return covered, gaps
+
+
+def summarize(path: Path, steps: int | None = None) -> dict:
+    kernels, traced_steps = load_kernels(path)
+    steps = steps or traced_steps or 1
+    if not kernels:
+        raise SystemExit(f"{path}: no GPU kernels in the trace (was CUDA activity recorded?)")
+    start = min(e["ts"] for e in kernels)
+    stop = max(e["ts"] + e["dur"] for e in kernels)
+    compute = [(e["ts"], e["ts"] + e["dur"]) for e in kernels if category(e["name"]) != "nccl"]
+    busy, gaps = union_length(compute)
+    by_category, by_kernel, nccl = defaultdict(float), defaultdict(lambda: [0, 0.0]), \
+        defaultdict(float)
+    for e in kernels:
+        cat = category(e["name"])
+        by_category[cat] += e["dur"]
+        entry = by_kernel[e["name"][:90]]
+        entry[0] += 1
+        entry[1] += e["dur"]
+        if cat == "nccl":
+            kind = re.search(r"AllGather|ReduceScatter|AllReduce|SendRecv|Broadcast|AllToAll",
+                             e["name"])
+            nccl[kind.group(0) if kind else "other"] += e["dur"]
+    ms = 1e3 * steps  # trace times are microseconds: per-step milliseconds
+    return {
+        "path": str(path), "steps": steps,
+        "span_ms": (stop - start) / ms,
+        "compute_busy_ms": busy / ms,
+        "compute_idle_ms": (stop - start - busy) / ms,
+        "largest_gaps_ms": sorted(((b - a) / 1e3 for a, b in gaps), reverse=True)[:5],
+        "gaps_over_50us": sum(1 for a, b in gaps if b - a > 50) / steps,
+        "categories_ms": {k: v / ms for k, v in sorted(by_category.items(), key=lambda kv: -kv[1])},
+        "nccl_ms": {k: v / ms for k, v in nccl.items()},
+        "kernels": {k: (n / steps, t / ms) for k, (n, t) in by_kernel.items()},
+    }
+
+
+def report(summaries: list[dict], labels: list[str], top: int) -> str:
+    rows = [("traced span / step (ms)", "span_ms"), ("compute busy (ms)", "compute_busy_ms"),
+            ("compute idle (ms)", "compute_idle_ms"), ("gaps > 50 us / step", "gaps_over_50us")]
+    width = max(12, *(len(label) for label in labels))
+    lines = [f"{'':32}" + "".join(f"{label:>{width + 2}}" for label in labels)]
+    for title, key in rows:
+        lines.append(f"{title:32}" + "".join(f"{s[key]:>{width + 2}.1f}" for s in summaries))
+    cats = sorted({c for s in summaries for c in s["categories_ms"]},
+                  key=lambda c: -summaries[0]["categories_ms"].get(c, 0.0))
+    for cat in cats:
+        lines.append(f"{'  ' + cat + ' (ms)':32}"
+                     + "".join(f"{s['categories_ms'].get(cat, 0.0):>{width + 2}.1f}"
+                               for s in summaries))
+    for kind in sorted({k for s in summaries for k in s["nccl_ms"]}):
+        lines.append(f"{'    nccl ' + kind + ' (ms)':32}"
+                     + "".join(f"{s['nccl_ms'].get(kind, 0.0):>{width + 2}.1f}" for s in summaries))
+    for label, s in zip(labels, summaries):
+        gaps = ", ".join(f"{g:.2f}" for g in s["largest_gaps_ms"])
+        lines.append(f"largest compute gaps, {label} (ms): {gaps}")
+    if len(summaries) == 1:
+        lines.append(f"\ntop kernels (per step: count, ms):")
+        ranked = sorted(summaries[0]["kernels"].items(), key=lambda kv: -kv[1][1])[:top]
+        lines += [f"  {t:8.2f} ms  x{n:<6.0f} {name}" for name, (n, t) in ranked]
+        return "\n".join(lines)
+    # Kernel names differ between two compiled programs (Triton names carry a hash), so the
+    # side-by-side comparison is by category above; here the per-trace top kernels.
+    for label, s in zip(labels, summaries):
+        lines.append(f"\ntop kernels, {label} (per step: ms, count):")
+        ranked = sorted(s["kernels"].items(), key=lambda kv: -kv[1][1])[:top]
+        lines += [f"  {t:8.2f} ms  x{n:<6.0f} {name}" for name, (n, t) in ranked]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("traces", nargs="+", type=Path)
+    parser.add_argument("--steps", nargs="*", type=int, default=[],
+                        help="training steps in each trace (default: its ProfilerStep count, or 1)")
+    parser.add_argument("--labels", nargs="*", default=[])
+    parser.add_argument("--top", type=int, default=25)
+    args = parser.parse_args()
+    steps = args.steps + [None] * (len(args.traces) - len(args.steps))
+    labels = args.labels + [p.stem for p in args.traces[len(args.labels):]]
+    summaries = [summarize(path, n) for path, n in zip(args.traces, steps)]
+    print(report(summaries, labels, args.top))
+
+
+if __name__ == "__main__":
+    main()
