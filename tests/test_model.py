@@ -1,5 +1,6 @@
 """LLaMA model: published sizes, RoPE, attention, initialisation."""
 
+import dataclasses
 import math
 
 import pytest
@@ -74,9 +75,12 @@ def test_apply_rope_rotates_each_pair_by_position_times_frequency():
                                   a * math.sin(angle) + b * math.cos(angle), atol=1e-6)
 
 
-def test_gqa_attention_matches_explicit_causal_softmax():
+# "auto" hands grouped K/V to the kernel (enable_gqa); "efficient" expands them first.
+@pytest.mark.parametrize("backend", ["auto", "efficient"])
+def test_gqa_attention_matches_explicit_causal_softmax(backend):
     torch.manual_seed(0)
-    args = model_args("llama3_debug")
+    args = dataclasses.replace(model_args("llama3_debug"), attention_backend=backend)
+    assert args.n_heads > args.kv_heads
     attn = Attention(args).double()
     x = torch.randn(2, 7, args.dim, dtype=torch.float64)
     rope = rope_cache(7, args.head_dim, args.rope_theta, None)

@@ -16,9 +16,10 @@ Attention across the shards (``parallel.cp_comm_type``, as Megatron's ``--cp-com
   causal attention on ``heads / cp`` heads, an all-to-all trades back.
 
 Inputs of the attention are (batch, local seq, heads, head_dim), K/V with the model's (fewer)
-KV heads: K/V are communicated before grouped-query expansion. Blocks are computed by the cuDNN or
-flash kernel (the first of the two in the model's attention backends; both return the log-sum-exp
-that merging blocks needs), on CPU or in fp32 by an exact math path.
+KV heads: K/V are communicated, and attended, without grouped-query expansion. Blocks are
+computed by the cuDNN or flash kernel (the first of the two in the model's attention backends;
+both return the log-sum-exp that merging blocks needs, and both take grouped K/V), on CPU or in
+fp32 by an exact math path.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.nn.attention import SDPBackend
 
 from dtrain.config import ConfigError
-from dtrain.models.llama import Transformer, expand_kv
+from dtrain.models.llama import Transformer
 
 COMM_TYPES = ("p2p", "all_gather", "a2a")
 _aten = torch.ops.aten
@@ -179,13 +180,12 @@ def _attend(q, k, v, causal: bool, kernel: str):
     per query, fp32 (batch, heads, seq)). Causal only on square blocks. k, v may have fewer
     heads (grouped-query attention)."""
     b, hq, sq, d = q.shape
-    if kernel == "cudnn":
-        k, v = _expand_heads(k, v, hq // k.shape[1])
+    if kernel == "cudnn":  # both kernels take grouped-query K/V as they are
         out, lse, cum_q, cum_k, _, _, seed, offset, _ = \
             _aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal)
         _EXTRAS.setdefault((kernel, q.device), (cum_q, cum_k, seed, offset, lse.dim()))
         return out, lse.reshape(b, hq, sq)
-    if kernel == "flash":  # takes grouped-query K/V as they are
+    if kernel == "flash":
         out, lse, cum_q, cum_k, _, _, rng, unused, _ = \
             _aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)
         _EXTRAS.setdefault((kernel, q.device), (cum_q, cum_k, rng, unused))
@@ -207,12 +207,8 @@ def _attend_backward(dout, q, k, v, out, lse, causal: bool, kernel: str):
     if kernel == "cudnn":
         cum_q, cum_k, seed, offset, lse_dims = _EXTRAS[(kernel, q.device)]
         lse = lse.contiguous().view(b, hq, sq, *[1] * (lse_dims - 3))
-        ke, ve = _expand_heads(k, v, hq // hk)
-        dq, dk, dv = _aten._scaled_dot_product_cudnn_attention_backward(
-            dout, q, ke, ve, out, lse, seed, offset, None, cum_q, cum_k, sq, sk, 0.0, causal)
-        if hk != hq:
-            dk, dv = (t.unflatten(1, (hk, hq // hk)).sum(2) for t in (dk, dv))
-        return dq, dk, dv
+        return _aten._scaled_dot_product_cudnn_attention_backward(
+            dout, q, k, v, out, lse, seed, offset, None, cum_q, cum_k, sq, sk, 0.0, causal)
     if kernel == "flash":
         cum_q, cum_k, rng, unused = _EXTRAS[(kernel, q.device)]
         return _aten._scaled_dot_product_flash_attention_backward(
@@ -231,12 +227,6 @@ def _attend_backward(dout, q, k, v, out, lse, causal: bool, kernel: str):
     dq = (ds @ kf) * scale
     dk = (ds.transpose(-1, -2) @ qf).sum(2) * scale
     return dq.reshape(b, hq, sq, d).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-
-
-def _expand_heads(k: torch.Tensor, v: torch.Tensor, repeat: int):
-    """The model's grouped-query expansion for (batch, heads, seq, head_dim) tensors."""
-    k, v = expand_kv(k.transpose(1, 2), v.transpose(1, 2), repeat)
-    return k.transpose(1, 2), v.transpose(1, 2)
 
 
 def _math_dtype(q: torch.Tensor) -> torch.dtype:
