@@ -47,7 +47,8 @@ def hardware(device: torch.device, world_size: int) -> str:
 def profile_steps(trainer: Trainer, steps: int) -> None:
     """Profiles ``steps`` further training steps; rank 0 prints where device time goes and the
     share of wall time the device was busy; every rank prints its compute-kernel time and idle
-    share (the pipeline bubble). Saves ``profile_rank0.json`` (Chrome trace)."""
+    share (the pipeline bubble). Each rank saves ``profile_rank<N>.json`` (Chrome trace) in its run
+    folder."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + (
@@ -71,11 +72,12 @@ def profile_steps(trainer: Trainer, steps: int) -> None:
           f"{busy:.3f}s ({100 * busy / wall:.1f}% of wall), compute kernels {compute:.3f}s, "
           f"idle {100 * idle / wall:.1f}% of wall = {100 * idle / max(compute, 1e-9):.1f}% of "
           "compute", flush=True)
+    trainer.run_dir.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(trainer.run_dir / f"profile_rank{trainer.rank}.json"))
     if trainer.rank != 0:
         return
     sort = "self_device_time_total" if trainer.device.type == "cuda" else "self_cpu_time_total"
     print(events.table(sort_by=sort, row_limit=30, max_name_column_width=70), flush=True)
-    prof.export_chrome_trace(str(trainer.run_dir / "profile_rank0.json"))
 
 
 def main() -> None:
