@@ -119,17 +119,17 @@ def report(summaries: list[dict], labels: list[str], top: int) -> str:
     for kind in sorted({k for s in summaries for k in s["nccl_ms"]}):
         lines.append(f"{'    nccl ' + kind + ' (ms)':32}"
                      + "".join(f"{s['nccl_ms'].get(kind, 0.0):>{width + 2}.1f}" for s in summaries))
-    for label, s in zip(labels, summaries):
+    for label, s in zip(labels, summaries, strict=True):
         gaps = ", ".join(f"{g:.2f}" for g in s["largest_gaps_ms"])
         lines.append(f"largest compute gaps, {label} (ms): {gaps}")
     if len(summaries) == 1:
-        lines.append(f"\ntop kernels (per step: count, ms):")
+        lines.append("\ntop kernels (per step: ms, count):")
         ranked = sorted(summaries[0]["kernels"].items(), key=lambda kv: -kv[1][1])[:top]
         lines += [f"  {t:8.2f} ms  x{n:<6.0f} {name}" for name, (n, t) in ranked]
         return "\n".join(lines)
     # Kernel names differ between two compiled programs (Triton names carry a hash), so the
     # side-by-side comparison is by category above; here the per-trace top kernels.
-    for label, s in zip(labels, summaries):
+    for label, s in zip(labels, summaries, strict=True):
         lines.append(f"\ntop kernels, {label} (per step: ms, count):")
         ranked = sorted(s["kernels"].items(), key=lambda kv: -kv[1][1])[:top]
         lines += [f"  {t:8.2f} ms  x{n:<6.0f} {name}" for name, (n, t) in ranked]
@@ -144,9 +144,11 @@ def main() -> None:
     parser.add_argument("--labels", nargs="*", default=[])
     parser.add_argument("--top", type=int, default=25)
     args = parser.parse_args()
+    if len(args.steps) > len(args.traces) or len(args.labels) > len(args.traces):
+        parser.error("give at most one --steps value and one --labels name per trace")
     steps = args.steps + [None] * (len(args.traces) - len(args.steps))
     labels = args.labels + [p.stem for p in args.traces[len(args.labels):]]
-    summaries = [summarize(path, n) for path, n in zip(args.traces, steps)]
+    summaries = [summarize(path, n) for path, n in zip(args.traces, steps, strict=True)]
     print(report(summaries, labels, args.top))
 
 
