@@ -174,6 +174,40 @@ def test_fsdp_with_fp8_all_gather_trains_like_one_process(tmp_path):
     assert losses == pytest.approx(reference, rel=2e-4)
 
 
+def test_fused_weight_cast_gives_torchao_s_fp8_bits(monkeypatch):
+    # The fused pre-all-gather cast must give the bytes torchao's three-kernel cast gives,
+    # including values beyond the format's range (saturated), and leave the path without a
+    # precomputed scale to torchao. monkeypatch restores torchao's method afterwards.
+    from torchao.float8.float8_linear import LinearMMConfig
+
+    from dtrain.parallel.fp8 import fuse_fp8_weight_cast
+
+    original = WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather
+    monkeypatch.setattr(WeightWithDynamicFloat8CastTensor, "fsdp_pre_all_gather", original)
+    shard = torch.randn(64, 48, generator=torch.Generator().manual_seed(0))
+    shard[0, :4] = torch.tensor([1e4, -1e4, 3.0e-9, 0.0])
+    scale = torch.tensor(448.0) / shard.abs().max() * 3  # pushes the largest values past 448
+    weight = WeightWithDynamicFloat8CastTensor(shard, LinearMMConfig(), torch.float8_e4m3fn, scale)
+    (expected,), (expected_scale,) = original(weight, None)
+
+    fuse_fp8_weight_cast()
+    fuse_fp8_weight_cast()  # a second call changes nothing
+    fused = WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather
+    assert fused is not original and fused.original is original
+    (bits,), (out_scale,) = fused(weight, None)
+    assert bits.dtype == torch.float8_e4m3fn
+    assert torch.equal(bits.view(torch.uint8), expected.view(torch.uint8))
+    assert out_scale is scale and torch.equal(expected_scale, scale)
+    assert bits[0, 0].float() == 448.0 and bits[0, 1].float() == -448.0
+
+    # Without a precomputed scale, torchao's path computes its own: the same result as before.
+    unscaled = WeightWithDynamicFloat8CastTensor(shard, LinearMMConfig(), torch.float8_e4m3fn)
+    (own,), (own_scale,) = original(unscaled, None)
+    (passed,), (passed_scale,) = fused(unscaled, None)
+    assert torch.equal(passed.view(torch.uint8), own.view(torch.uint8))
+    assert torch.equal(passed_scale, own_scale)
+
+
 # Tensor parallel
 
 
