@@ -1,13 +1,12 @@
 """LLaMA model: published sizes, RoPE, attention, initialisation."""
 
-import dataclasses
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from dtrain.models import build, model_args
+from dtrain.models import build, llama, model_args
 from dtrain.models.llama import (
     Attention,
     RopeScaling,
@@ -75,11 +74,12 @@ def test_apply_rope_rotates_each_pair_by_position_times_frequency():
                                   a * math.sin(angle) + b * math.cos(angle), atol=1e-6)
 
 
-# "auto" hands grouped K/V to the kernel (enable_gqa); "efficient" expands them first.
-@pytest.mark.parametrize("backend", ["auto", "efficient"])
-def test_gqa_attention_matches_explicit_causal_softmax(backend):
+# Grouped K/V handed to the kernel as they are (enable_gqa), or expanded first.
+@pytest.mark.parametrize("grouped", [True, False])
+def test_gqa_attention_matches_explicit_causal_softmax(grouped, monkeypatch):
+    monkeypatch.setattr(llama, "takes_grouped_kv", lambda *args: grouped)
     torch.manual_seed(0)
-    args = dataclasses.replace(model_args("llama3_debug"), attention_backend=backend)
+    args = model_args("llama3_debug")
     assert args.n_heads > args.kv_heads
     attn = Attention(args).double()
     x = torch.randn(2, 7, args.dim, dtype=torch.float64)
@@ -96,6 +96,18 @@ def test_gqa_attention_matches_explicit_causal_softmax(backend):
         heads.append(F.softmax(scores, dim=-1) @ v[:, :, h // group])
     expected = torch.cat(heads, dim=-1) @ attn.wo.weight.T
     assert torch.allclose(out, expected, atol=1e-10)
+
+
+@pytest.mark.parametrize("device, dtype, backend, grouped", [
+    ("cpu", torch.float32, "efficient", True),      # CPU kernels take grouped K/V
+    ("cuda", torch.bfloat16, "auto", True),         # cuDNN
+    ("cuda", torch.bfloat16, "flash", True),
+    ("cuda", torch.bfloat16, "efficient", False),
+    ("cuda", torch.float32, "auto", False),         # cuDNN and flash are 16-bit: efficient runs
+    ("cuda", torch.float32, "math", True),
+])
+def test_grouped_kv_go_to_the_kernels_that_take_them(device, dtype, backend, grouped):
+    assert llama.takes_grouped_kv(device, dtype, llama._BACKENDS[backend]) is grouped
 
 
 def test_forward_is_causal():

@@ -3,11 +3,11 @@
     python tools/trace_summary.py TRACE.json[.gz] [--steps N]
     python tools/trace_summary.py A.json B.json --steps 2 1 --labels dtrain torchtitan
 
-Per traced step and GPU 0 it gives: the traced wall span, the time some compute kernel ran
-(the union of non-NCCL kernels), the compute-idle time and its largest gaps, NCCL time by
-collective, and kernel time by category (matmul, attention, fused Triton, FSDP copies, optimizer,
-other). With two traces it prints them side by side and the kernels whose time per step differs
-most. Works on the traces ``tools/bench.py --profile`` writes and on torchtitan's.
+Per traced step and for the trace's (lowest-numbered) GPU it gives: the traced wall span, the
+time some compute kernel ran (the union of non-NCCL kernels), the compute-idle time and its
+largest gaps, NCCL time by collective, kernel time by category (matmul, attention, fused Triton,
+FSDP copies, optimizer, other) and the top kernels. Several traces are set side by side. Works on
+the traces ``tools/bench.py --profile`` writes and on torchtitan's.
 """
 
 from __future__ import annotations
@@ -122,13 +122,8 @@ def report(summaries: list[dict], labels: list[str], top: int) -> str:
     for label, s in zip(labels, summaries, strict=True):
         gaps = ", ".join(f"{g:.2f}" for g in s["largest_gaps_ms"])
         lines.append(f"largest compute gaps, {label} (ms): {gaps}")
-    if len(summaries) == 1:
-        lines.append("\ntop kernels (per step: ms, count):")
-        ranked = sorted(summaries[0]["kernels"].items(), key=lambda kv: -kv[1][1])[:top]
-        lines += [f"  {t:8.2f} ms  x{n:<6.0f} {name}" for name, (n, t) in ranked]
-        return "\n".join(lines)
-    # Kernel names differ between two compiled programs (Triton names carry a hash), so the
-    # side-by-side comparison is by category above; here the per-trace top kernels.
+    # Kernel names differ between two compiled programs (Triton names carry their fusion), so
+    # the comparison is by category above; below, each trace's own top kernels.
     for label, s in zip(labels, summaries, strict=True):
         lines.append(f"\ntop kernels, {label} (per step: ms, count):")
         ranked = sorted(s["kernels"].items(), key=lambda kv: -kv[1][1])[:top]

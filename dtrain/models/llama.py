@@ -143,6 +143,23 @@ def expand_kv(k: torch.Tensor, v: torch.Tensor,
     return tuple(t.unsqueeze(3).expand(-1, -1, -1, repeat, -1).flatten(2, 3) for t in (k, v))
 
 
+def takes_grouped_kv(device_type: str, dtype: torch.dtype, backends: list[SDPBackend]) -> bool:
+    """Whether the SDPA kernel that runs for queries of this device and dtype under ``backends``
+    (in priority order) takes fewer KV heads than query heads: the CPU kernels, math, and on
+    CUDA cuDNN and flash (16-bit only); not the memory-efficient kernel, which SDPA would
+    otherwise skip for math."""
+    if device_type != "cuda":
+        return True
+    for backend in backends:
+        if backend == SDPBackend.MATH or (
+                backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION)
+                and dtype in (torch.float16, torch.bfloat16)):
+            return True
+        if backend == SDPBackend.EFFICIENT_ATTENTION:
+            return False
+    return True
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      backends: list[SDPBackend]) -> torch.Tensor:
     """Causal attention of the whole sequence: q (batch, seq, heads, head_dim), k and v with
@@ -151,10 +168,10 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     Grouped-query K/V go to the kernel as they are (``enable_gqa``): cuDNN and flash read each
     KV head once for its query heads and reduce dK/dV over the group themselves, where an
     expanded copy costs a copy kernel and four times the K/V reads (cuDNN's forward is about 19%
-    slower on it for Llama 3 8B). The memory-efficient kernel takes no grouped K/V: for it they
-    are expanded."""
+    slower on it for Llama 3 8B). The memory-efficient kernel takes no grouped K/V: where it is
+    the kernel to run, they are expanded."""
     gqa = k.shape[2] != q.shape[2]
-    if gqa and backends == _BACKENDS["efficient"]:
+    if gqa and not takes_grouped_kv(q.device.type, q.dtype, backends):
         k, v, gqa = *expand_kv(k, v, q.shape[2] // k.shape[2]), False
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     with sdpa_kernel(backends, set_priority=True) if q.is_cuda else contextlib.nullcontext():

@@ -178,14 +178,6 @@ def precompute_fp8_scales(model_parts: Sequence[nn.Module]) -> None:
         precompute_float8_dynamic_scale_for_fsdp(part)
 
 
-def _scale_saturate_cast(shard: torch.Tensor, scale: torch.Tensor,
-                         dtype: torch.dtype) -> torch.Tensor:
-    """torchao's weight cast (``hp_tensor_and_scale_to_float8`` then ``to_fp8_saturated``):
-    scale in fp32, saturate to the format's range, convert."""
-    bound = torch.finfo(dtype).max
-    return (shard.to(torch.float32) * scale).clamp(min=-bound, max=bound).to(dtype)
-
-
 def fuse_fp8_weight_cast() -> None:
     """Casts each weight shard to FP8 before the FSDP all-gather in one compiled kernel.
 
@@ -197,12 +189,17 @@ def fuse_fp8_weight_cast() -> None:
     replaces the method on torchao's class, for the whole process; calling it again does
     nothing. Not yet the default: ``tools/bench.py --fused-fp8-cast`` measures it.
     """
+    from torchao.float8.float8_utils import to_fp8_saturated
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
     original = WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather
     if getattr(original, "fused_cast", False):
         return
-    cast = torch.compile(_scale_saturate_cast, fullgraph=True, dynamic=False)
+
+    @torch.compile(fullgraph=True, dynamic=False)
+    def cast(shard: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        # torchao's own steps (hp_tensor_and_scale_to_float8): scale in fp32, saturate, convert.
+        return to_fp8_saturated(shard.to(torch.float32) * scale, dtype)
 
     def fsdp_pre_all_gather(self, mesh):
         scale = self._precomputed_scale
