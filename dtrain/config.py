@@ -144,6 +144,10 @@ class OptimizerConfig:
     """Decoupled weight decay on matrices (not on norms)."""
     implementation: Literal["auto", "fused", "foreach", "for-loop"] = "auto"
     """AdamW kernel; auto is fused on CUDA and foreach on CPU."""
+    overlap_step: bool = True
+    """On CUDA under FSDP (without pipeline parallel or CPU offload): run the step one FSDP unit
+    at a time on a side stream, each unit's next all-gather waiting only for its own update, so
+    that the updates overlap the next forward. The same updates; off runs the step whole."""
 
 
 @dataclass

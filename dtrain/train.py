@@ -55,7 +55,14 @@ from dtrain.parallel.expert import (
     reset_moe_stats,
     update_expert_bias,
 )
-from dtrain.parallel.fp8 import check_fp8, convert_to_fp8, fp8_all_gather, precompute_fp8_scales
+from dtrain.parallel.fp8 import (
+    UnitScales,
+    check_fp8,
+    convert_to_fp8,
+    fp8_all_gather,
+    precompute_fp8_scales,
+)
+from dtrain.parallel.overlap import OverlappedStep
 from dtrain.parallel.pipeline import (
     Pipeline,
     check_pipeline,
@@ -272,6 +279,17 @@ class Trainer:
         self.optimizer = build_optimizer(self.model_parts, cfg.optimizer, self.device.type)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.lr_schedule, tcfg.steps,
                                             cfg.optimizer.lr)
+        # Each FSDP unit's update overlaps the next forward (dtrain.parallel.overlap).
+        self.overlapped_step = None
+        if (cfg.optimizer.overlap_step and self.device.type == "cuda" and self.mesh is not None
+                and self.dims.fsdp_enabled and self.pipeline is None
+                and not cfg.parallel.fsdp_cpu_offload):
+            # FP8 all-gather: each unit's scales right after its update, on a communicator of
+            # their own (fp8.UnitScales).
+            scales = UnitScales(self.model_parts, dist.new_group()) if self.fp8_all_gather \
+                else None
+            self.overlapped_step = OverlappedStep(self.optimizer, self.model_parts, self.device,
+                                                  after_unit=scales)
         self.step = 0
         self.checkpointer = None
         if cfg.checkpoint.enabled:
@@ -381,9 +399,15 @@ class Trainer:
         args = self.model.args
         return gather_moe_stats(self.moe_layers, args.n_layers, args.n_experts, groups)
 
-    def train_step(self) -> tuple[torch.Tensor, torch.Tensor, float]:
+    def train_step(self, leave_update_in_flight: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor, float]:
         """One optimizer step over the global batch. Returns (mean token loss, gradient norm)
-        as device tensors and the seconds spent waiting for data."""
+        as device tensors and the seconds spent waiting for data.
+
+        With the overlapped step (``optimizer.overlap_step``) and ``leave_update_in_flight``,
+        the updates may still be running on their side stream when this returns: the next
+        ``train_step`` waits for them unit by unit, anything else must call
+        ``wait_for_update()`` first. By default this waits before returning."""
         tcfg = self.config.training
         tokens = self.global_batch * tcfg.seq_len
         # Each rank's gradient is averaged over dp x cp by FSDP (a cp rank's loss covers only
@@ -413,18 +437,30 @@ class Trainer:
             loss_sum += _plain(loss.detach())
         pp_mesh = self.dims.mesh("pp")
         grad_norm = clip_grad_norm_([p for part in self.model_parts for p in part.parameters()],
-                                    tcfg.max_norm, pp_mesh.get_group() if pp_mesh else None)
+                                    tcfg.max_norm, pp_mesh.get_group() if pp_mesh else None,
+                                    self.optimizer)
         if self.checkpointer:
             self.checkpointer.wait_staged()  # an async save may still be copying the weights
-        self.optimizer.step()
+        if self.overlapped_step is not None:
+            self.overlapped_step.step()
+        else:
+            self.optimizer.step()
         if self.model.args.n_experts and self.model.args.moe_router == "sigmoid":
             update_expert_bias(self.moe_layers, self.moe_stats(),
                                self.config.model.moe_bias_update_rate)
-        if self.fp8_all_gather:
+        if self.fp8_all_gather and self.overlapped_step is None:  # else set unit by unit
             precompute_fp8_scales(self.model_parts)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if not leave_update_in_flight:
+            self.wait_for_update()
         return self._reduce_sum(loss_sum) / tokens, grad_norm, data_wait
+
+    def wait_for_update(self) -> None:
+        """The device's compute stream waits for the last step's weight updates (a no-op
+        unless ``train_step(leave_update_in_flight=True)`` left them running)."""
+        if self.overlapped_step is not None:
+            self.overlapped_step.wait()
 
     def train(self, until: int | None = None) -> list[dict[str, float]]:
         """Runs to ``training.steps`` (or stops after step ``until``: the schedule still spans
@@ -448,7 +484,8 @@ class Trainer:
         interval_start, interval_steps, data_wait = run_start, 0, 0.0
         while self.step < last:
             lr = self.optimizer.param_groups[0]["lr"]
-            loss, grad_norm, wait = self.train_step()
+            # The updates may overlap the next step's forward; saves and the end wait for them.
+            loss, grad_norm, wait = self.train_step(leave_update_in_flight=self.step + 1 < last)
             self.step += 1
             collect(self.step)
             interval_steps += 1
@@ -456,6 +493,7 @@ class Trainer:
             ckpt = self.config.checkpoint
             if self.checkpointer and (self.step % ckpt.interval == 0 or self.step == tcfg.steps):
                 save_start = time.perf_counter()
+                self.wait_for_update()
                 self.checkpointer.save(self.step)
                 stall = time.perf_counter() - save_start
                 interval_start += stall  # not counted as step time

@@ -81,3 +81,31 @@ def test_clip_disabled_with_zero_max_norm():
     a.grad = torch.tensor([30.0, 40.0])
     assert clip_grad_norm_([a], max_norm=0.0).item() == pytest.approx(50.0)
     assert torch.equal(a.grad, torch.tensor([30.0, 40.0]))
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 100.0, 0.0])  # clipping, not reached, disabled
+def test_fused_adamw_takes_the_clip_inside_its_step(max_norm):
+    """With fused AdamW the clip is the optimizer's gradient scale, not a pass over the
+    gradients: the gradients stay as they are and the update equals clip-then-step."""
+    torch.manual_seed(0)
+    weights = [torch.randn(64, 32), torch.randn(32)]
+    # Norms that differ step to step (Adam's update ignores one constant scale on every step).
+    steps = [[torch.randn(64, 32) * k, torch.randn(32) * k] for k in (0.01, 3.0, 0.3)]
+    results = []
+    for impl in ("fused", "foreach"):
+        params = [torch.nn.Parameter(w.clone()) for w in weights]
+        opt = build_optimizer(torch.nn.ParameterList(params),
+                              OptimizerConfig(weight_decay=0.1, implementation=impl), "cpu")
+        for grads in steps:
+            for p, g in zip(params, grads, strict=True):
+                p.grad = g.clone()
+            norm = clip_grad_norm_(params, max_norm=max_norm, optimizer=opt)
+            assert norm.item() == pytest.approx(torch.cat([g.flatten() for g in grads]).norm()
+                                                .item(), rel=1e-6)
+            if impl == "fused":  # the gradients are left unscaled
+                assert all(torch.equal(p.grad, g) for p, g in zip(params, grads, strict=True))
+                assert (opt.grad_scale is None) == (max_norm == 0)
+            opt.step()
+        results.append(params)
+    for fused, foreach in zip(*results, strict=True):
+        torch.testing.assert_close(fused, foreach, rtol=1e-6, atol=1e-7)

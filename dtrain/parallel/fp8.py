@@ -178,6 +178,49 @@ def precompute_fp8_scales(model_parts: Sequence[nn.Module]) -> None:
         precompute_float8_dynamic_scale_for_fsdp(part)
 
 
+class UnitScales:
+    """``precompute_fp8_scales`` one FSDP unit at a time, for the overlapped optimizer step
+    (``dtrain.parallel.overlap``): called with a unit's parameters right after their update, it
+    sets the scales of the FP8 weights among them. The values are torchao's (the weights'
+    absolute maxima, all-reduced with max; finfo.max / amax in float64, kept in float32), but
+    the all-reduce runs over ``group``, a communicator of its own: on FSDP's, these small
+    reductions would queue behind the all-gathers of the next forward, and the first all-gather
+    behind the last unit's update. Max over ranks holding copies changes nothing, so ``group``
+    may be any set of ranks that covers every shard of every weight, all of them holding the
+    same units (no pipeline parallel), the whole world included."""
+
+    def __init__(self, model_parts: Sequence[nn.Module], group):
+        from torch.distributed.tensor import DTensor
+        from torchao.float8.float8_linear import Float8Linear
+        from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+        self.group = group
+        self.linears = {
+            id(m.weight): m for part in model_parts for m in part.modules()
+            if isinstance(m, Float8Linear) and isinstance(m.weight, DTensor)
+            and isinstance(m.weight._local_tensor, WeightWithDynamicFloat8CastTensor)}
+
+    @torch.no_grad()
+    def __call__(self, params: Sequence[nn.Parameter]) -> None:
+        import torch.distributed as dist
+        from torchao.float8.float8_utils import EPS
+
+        linears = [self.linears[id(p)] for p in params if id(p) in self.linears]
+        if not linears:
+            return
+        (target,) = {m.config.cast_config_weight.target_dtype for m in linears}
+        local = [m.weight._local_tensor for m in linears]
+        amax = torch.stack(torch._foreach_norm(local, ord=float("inf")))
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
+        amax = torch.clamp(amax, EPS)
+        scale = torch.finfo(target).max / amax.to(torch.float64)
+        if amax.dtype is torch.float16:
+            scale = torch.clamp(scale, max=torch.finfo(torch.float16).max)
+        scale = scale.to(torch.float32)
+        for i, linear in enumerate(linears):
+            linear.weight._local_tensor._precomputed_scale = scale[i]
+
+
 def fuse_fp8_weight_cast() -> None:
     """Casts each weight shard to FP8 before the FSDP all-gather in one compiled kernel.
 

@@ -1,0 +1,154 @@
+"""The optimizer step overlapped with the next forward, one FSDP unit at a time.
+
+After the backward, every weight update is ready to run, but the next forward needs only the
+first unit's weights to start. ``OverlappedStep`` runs the step unit by unit in forward order on a
+side stream and records an event after each unit; each unit's next all-gather waits for its own
+event only. The updates of the later units then run while the first ones compute, instead of
+the whole step (about 35 ms for Llama 3 8B over 2 H200) holding the device between steps.
+
+The arithmetic is the optimizer's own, unchanged: each unit's parameters are stepped by
+``optimizer.step()`` over that unit alone, so every parameter gets exactly one update from the
+same kernels as a whole-model step. What changes is only the order in which the device runs them.
+
+FSDP2 makes its all-gather streams wait for the compute stream once per forward, at the root
+(``FSDPModule.set_post_optim_event`` replaces that one wait). A wait per unit needs the streams
+FSDP2 shares between its units (``FSDPState._comm_ctx``), which are not public API; where they are
+missing (another torch version), the step runs whole on the compute stream, as without overlap.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+
+def fsdp_units(parts: Sequence[nn.Module]) -> list[tuple[object, list[nn.Parameter]]]:
+    """(FSDP state, parameters it shards) for every FSDP unit, in the order the forward first
+    reaches them (module order); parameters outside any unit come under the state ``None``."""
+    owned: dict[object, list[nn.Parameter]] = {}
+    seen: set[int] = set()
+
+    def walk(module: nn.Module, state: object) -> None:
+        if isinstance(module, FSDPModule):
+            state = module._get_fsdp_state()
+        for param in module.parameters(recurse=False):
+            if id(param) not in seen:
+                seen.add(id(param))
+                owned.setdefault(state, []).append(param)
+        for child in module.children():
+            walk(child, state)
+
+    for part in parts:
+        walk(part, None)
+    return list(owned.items())
+
+
+@contextlib.contextmanager
+def only(optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter]) -> Iterator[None]:
+    """The optimizer's parameter groups narrowed to ``params`` (each group keeps its options), so
+    that ``optimizer.step()`` updates those alone."""
+    chosen = {id(p) for p in params}
+    whole = [group["params"] for group in optimizer.param_groups]
+    try:
+        for group in optimizer.param_groups:
+            group["params"] = [p for p in group["params"] if id(p) in chosen]
+        yield
+    finally:
+        for group, kept in zip(optimizer.param_groups, whole, strict=True):
+            group["params"] = kept
+
+
+class OverlappedStep:
+    """``step()`` in place of ``optimizer.step()``: each FSDP unit's update on a side stream,
+    each unit's next all-gather waiting for its own update (see the module docstring).
+    ``wait()`` makes the compute stream wait for every update, before anything other than the
+    forward reads the weights or the optimizer state (a checkpoint, a notebook)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, parts: Sequence[nn.Module],
+                 device: torch.device,
+                 after_unit: Callable[[list[nn.Parameter]], None] | None = None):
+        self.optimizer = optimizer
+        self.after_unit = after_unit  # e.g. the unit's FP8 scales (fp8.UnitScales)
+        stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        self.units = [(state, [p for p in params if id(p) in stepped])
+                      for state, params in fsdp_units(parts)]
+        self.units = [(state, params) for state, params in self.units if params]
+        if any(state is None for state, _ in self.units):
+            raise ValueError("OverlappedStep: some parameters are outside every FSDP unit")
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.pending: dict[int, torch.cuda.Event] = {}
+        self._hooks = []
+        if self.stream is not None:
+            for part in parts:
+                for module in part.modules():
+                    if isinstance(module, FSDPModule):
+                        self._hooks.append(module.register_forward_pre_hook(
+                            self._wait_for_update, prepend=True))
+
+    def _wait_for_update(self, module: nn.Module, args) -> None:
+        """Before the unit's own pre-forward (its all-gather): its streams wait for its update."""
+        state = module._get_fsdp_state()
+        event = self.pending.pop(id(state), None)
+        if event is not None:
+            ctx = state._comm_ctx
+            ctx.all_gather_copy_in_stream.wait_event(event)
+            ctx.all_gather_stream.wait_event(event)
+
+    def step(self) -> None:
+        """Issues every unit's update (on the side stream on CUDA; in turn elsewhere)."""
+        if self.stream is not None and not self._streams_ready():
+            self.optimizer.step()
+            if self.after_unit is not None:
+                for _, params in self.units:
+                    self.after_unit(params)
+            return
+        on_side = contextlib.nullcontext()
+        if self.stream is not None:
+            # The clipped gradients and the gradient scale come from the compute stream.
+            self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+            on_side = torch.cuda.stream(self.stream)
+        with on_side:
+            for state, params in self.units:
+                with only(self.optimizer, params):
+                    self.optimizer.step()
+                if self.after_unit is not None:
+                    self.after_unit(params)
+                if self.stream is not None:
+                    self.pending[id(state)] = torch.cuda.Event()
+                    self.pending[id(state)].record(self.stream)
+        if self.stream is None:
+            return
+        # The compute stream frees the gradients (zero_grad) while this stream may still read
+        # them: the allocator must not hand their memory out before it has.
+        for _, params in self.units:
+            for param in params:
+                if param.grad is not None:
+                    _local(param.grad).record_stream(self.stream)
+        scale = getattr(self.optimizer, "grad_scale", None)
+        if isinstance(scale, torch.Tensor):
+            scale.record_stream(self.stream)
+
+    def wait(self) -> None:
+        """The compute stream waits for every update issued so far."""
+        if self.stream is not None:
+            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+            self.pending.clear()
+
+    def _streams_ready(self) -> bool:
+        """FSDP's all-gather streams exist (after the first forward) where this torch has them."""
+        ctx = getattr(self.units[0][0], "_comm_ctx", None)
+        return all(hasattr(ctx, name) for name in ("all_gather_copy_in_stream",
+                                                   "all_gather_stream"))
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor

@@ -1,0 +1,79 @@
+"""The optimizer step taken one FSDP unit at a time (dtrain.parallel.overlap) gives the same
+weights and optimizer state as the whole step, bit for bit; its units cover every parameter once,
+in forward order. The side stream itself is CUDA-only (checked on the GPU: docs/benchmarks.md)."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from dtrain.config import OptimizerConfig
+from dtrain.models import build
+from dtrain.optim import build_optimizer, clip_grad_norm_
+from dtrain.parallel.fsdp import apply_fsdp
+from dtrain.parallel.overlap import OverlappedStep, fsdp_units, only
+
+
+@pytest.fixture
+def mesh():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def sharded_model(mesh):
+    model = build("llama3_debug", device="cpu", seed=0, n_layers=3)
+    apply_fsdp(model, mesh, torch.float32, torch.float32)
+    return model
+
+
+def test_units_cover_every_parameter_once_in_forward_order(mesh):
+    model = sharded_model(mesh)
+    units = fsdp_units([model])
+    names = {id(p): n for n, p in model.named_parameters()}
+    prefixes = [{names[id(p)].split(".")[0] + ("." + names[id(p)].split(".")[1]
+                                                  if names[id(p)].startswith("layers") else "")
+                 for p in params} for _, params in units]
+    assert prefixes == [{"tok_embeddings"}, {"layers.0"}, {"layers.1"}, {"layers.2"},
+                        {"norm", "output"}]
+    flat = [id(p) for _, params in units for p in params]
+    assert sorted(flat) == sorted(id(p) for p in model.parameters())
+    assert all(state is not None for state, _ in units)
+
+
+def test_only_narrows_the_step_and_restores_the_groups():
+    a, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([a, b], lr=1.0)
+    a.grad = b.grad = torch.ones(2)
+    with only(opt, [b]):
+        opt.step()
+    assert torch.equal(a, torch.ones(2)) and torch.equal(b, torch.zeros(2))
+    assert opt.param_groups[0]["params"] == [a, b]
+
+
+@pytest.mark.parametrize("impl", ["foreach", "fused"])
+def test_unit_by_unit_step_equals_the_whole_step(mesh, impl):
+    models = [sharded_model(mesh) for _ in range(2)]
+    cfg = OptimizerConfig(lr=1e-2, weight_decay=0.1, implementation=impl)
+    opts = [build_optimizer(m, cfg, "cpu") for m in models]
+    stepper = OverlappedStep(opts[0], [models[0]], torch.device("cpu"))
+    assert len(stepper.units) == 5
+    tokens = torch.randint(0, models[0].args.vocab_size, (2, 16), generator=torch.Generator()
+                           .manual_seed(0))
+    for _ in range(3):
+        for model, opt in zip(models, opts, strict=True):
+            model(tokens).float().square().mean().backward()
+            clip_grad_norm_(list(model.parameters()), 0.5, optimizer=opt)
+        stepper.step()
+        opts[1].step()
+        for opt in opts:
+            opt.zero_grad(set_to_none=True)
+    for (name, p), q in zip(models[0].named_parameters(), models[1].parameters(), strict=True):
+        assert torch.equal(p.full_tensor(), q.full_tensor()), name
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            got, want = opts[0].state[p][key], opts[1].state[q][key]
+            got = got.full_tensor() if hasattr(got, "full_tensor") else got
+            want = want.full_tensor() if hasattr(want, "full_tensor") else want
+            assert torch.equal(got, want), (name, key)
