@@ -399,15 +399,23 @@ class Trainer:
         args = self.model.args
         return gather_moe_stats(self.moe_layers, args.n_layers, args.n_experts, groups)
 
-    def train_step(self, leave_update_in_flight: bool = False
-                   ) -> tuple[torch.Tensor, torch.Tensor, float]:
+    def train_step(self) -> tuple[torch.Tensor, torch.Tensor, float]:
         """One optimizer step over the global batch. Returns (mean token loss, gradient norm)
-        as device tensors and the seconds spent waiting for data.
+        as device tensors and the seconds spent waiting for data."""
+        loss_sum, grad_norm, data_wait = self._run_step()
+        self.wait_for_update()
+        return self._mean_loss(loss_sum), grad_norm, data_wait
 
-        With the overlapped step (``optimizer.overlap_step``) and ``leave_update_in_flight``,
-        the updates may still be running on their side stream when this returns: the next
-        ``train_step`` waits for them unit by unit, anything else must call
-        ``wait_for_update()`` first. By default this waits before returning."""
+    def _mean_loss(self, loss_sum: torch.Tensor) -> torch.Tensor:
+        """Mean token loss over the global batch from each rank's ``_run_step`` loss sum."""
+        return self._reduce_sum(loss_sum) / (self.global_batch * self.config.training.seq_len)
+
+    def _run_step(self) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """``train_step`` as the training loop runs it: returns this rank's summed token loss
+        (``_mean_loss`` reduces it, a synchronisation of the ranks the loop makes only when it
+        logs), and with the overlapped step (``optimizer.overlap_step``) the weight updates may
+        still be running on their side stream. The next step's forward waits for them unit by
+        unit; anything else reading the weights calls ``wait_for_update()`` first."""
         tcfg = self.config.training
         tokens = self.global_batch * tcfg.seq_len
         # Each rank's gradient is averaged over dp x cp by FSDP (a cp rank's loss covers only
@@ -452,13 +460,11 @@ class Trainer:
             precompute_fp8_scales(self.model_parts)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        if not leave_update_in_flight:
-            self.wait_for_update()
-        return self._reduce_sum(loss_sum) / tokens, grad_norm, data_wait
+        return loss_sum, grad_norm, data_wait
 
     def wait_for_update(self) -> None:
         """The device's compute stream waits for the last step's weight updates (a no-op
-        unless ``train_step(leave_update_in_flight=True)`` left them running)."""
+        unless ``_run_step`` left them running)."""
         if self.overlapped_step is not None:
             self.overlapped_step.wait()
 
@@ -472,6 +478,7 @@ class Trainer:
             torch.cuda.reset_peak_memory_stats(self.device)
         with manual_gc(tcfg.gc_interval) as collect:
             self._train_loop(last, first_step, run_start, collect)
+        self.wait_for_update()  # the weights are the last step's for whatever reads them next
         if self.checkpointer:
             self.checkpointer.close()
         self.loader.close()
@@ -485,7 +492,7 @@ class Trainer:
         while self.step < last:
             lr = self.optimizer.param_groups[0]["lr"]
             # The updates may overlap the next step's forward; saves and the end wait for them.
-            loss, grad_norm, wait = self.train_step(leave_update_in_flight=self.step + 1 < last)
+            loss_sum, grad_norm, wait = self._run_step()
             self.step += 1
             collect(self.step)
             interval_steps += 1
@@ -510,6 +517,7 @@ class Trainer:
                 interval_start += time.perf_counter() - eval_start  # not counted as step time
             if self.step % mcfg.log_every and self.step != last:
                 continue
+            loss = self._mean_loss(loss_sum)
             loss_value, norm_value = loss.item(), grad_norm.item()  # waits for the device
             now = time.perf_counter()
             step_time = (now - interval_start) / interval_steps

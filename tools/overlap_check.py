@@ -64,8 +64,9 @@ def main() -> None:
         module.register_forward_pre_hook(check)  # after FSDP's pre-forward: gathered weights
     for step in range(args.steps):
         stale.append(0)
-        trainer.train_step(leave_update_in_flight=True)
-        torch.cuda.synchronize()
+        # As the training loop runs it: the updates left in flight, the host running ahead
+        # (no synchronisation here, which would let every update finish before the next step).
+        trainer._run_step()
         if trainer.rank == 0:
             print(f"step {step + 1}: {stale[-1]} of {len(checks)} gathered weights stale",
                   flush=True)
