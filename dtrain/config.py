@@ -268,6 +268,9 @@ class FP8Config:
     fsdp_float8_all_gather: bool = True
     """torchao tensorwise under FSDP: all-gather weights in FP8, with their scales computed in
     one all-reduce after each optimizer step."""
+    fused_weight_cast: bool = True
+    """With FP8 all-gather: cast each weight shard to FP8 in one compiled kernel (the same bytes
+    as torchao's three eager kernels; replaces torchao's method for the whole process)."""
     emulate: bool = False
     """torchao only: compute the FP8 matmuls in high precision, so the FP8 path (casts, scales,
     FP8 all-gather) runs on any device, the CPU included; for testing, not for speed."""

@@ -60,6 +60,7 @@ from dtrain.parallel.fp8 import (
     check_fp8,
     convert_to_fp8,
     fp8_all_gather,
+    fuse_fp8_weight_cast,
     precompute_fp8_scales,
 )
 from dtrain.parallel.overlap import OverlappedStep
@@ -183,6 +184,8 @@ def build_model(cfg: Config, dims: ParallelDims, mesh: DeviceMesh | None, device
     fsdp = mesh is not None and dims.fsdp_enabled
     # (converted, kept) linear layer names; FP8 all-gather precomputes scales after each step.
     fp8_layers = convert_to_fp8(model, cfg.fp8, fsdp) if cfg.fp8.enabled else None
+    if cfg.fp8.enabled and fp8_all_gather(cfg.fp8, fsdp) and cfg.fp8.fused_weight_cast:
+        fuse_fp8_weight_cast()
 
     parts, stage_indices, num_stages = [model], [0], 1
     if dims.pp > 1:

@@ -176,7 +176,12 @@ def test_fsdp_with_fp8_all_gather_trains_like_one_process(tmp_path):
     assert unitwise == losses
 
 
-def test_fused_weight_cast_gives_torchao_s_fp8_bits(monkeypatch):
+# The CPU always; on a machine with a GPU also the GPU, where the fused cast is a Triton kernel.
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_weight_cast_gives_torchao_s_fp8_bits(monkeypatch, device):
     # The fused pre-all-gather cast must give the bytes torchao's three-kernel cast gives,
     # including values beyond the format's range (saturated), and leave the path without a
     # precomputed scale to torchao. monkeypatch restores torchao's method afterwards.
@@ -186,9 +191,10 @@ def test_fused_weight_cast_gives_torchao_s_fp8_bits(monkeypatch):
 
     original = WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather
     monkeypatch.setattr(WeightWithDynamicFloat8CastTensor, "fsdp_pre_all_gather", original)
-    shard = torch.randn(64, 48, generator=torch.Generator().manual_seed(0))
+    shard = torch.randn(1024, 4096, generator=torch.Generator().manual_seed(0))
     shard[0, :4] = torch.tensor([1e4, -1e4, 3.0e-9, 0.0])
-    scale = torch.tensor(448.0) / shard.abs().max() * 3  # pushes the largest values past 448
+    shard = shard.to(device)
+    scale = torch.tensor(448.0, device=device) / shard.abs().max() * 3  # largest values past 448
     weight = WeightWithDynamicFloat8CastTensor(shard, LinearMMConfig(), torch.float8_e4m3fn, scale)
     (expected,), (expected_scale,) = original(weight, None)
 

@@ -89,9 +89,6 @@ def main() -> None:
     parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
                         help="after the run, profile this many more steps: rank 0 prints the "
                              "top device kernels and writes a Chrome trace to the run folder")
-    parser.add_argument("--fused-fp8-cast", action="store_true",
-                        help="cast weight shards to FP8 before the FSDP all-gather in one fused "
-                             "kernel (dtrain.parallel.fp8.fuse_fp8_weight_cast), to measure it")
     parser.add_argument("--log-every", type=int, default=5,
                         help="steps per timing interval (each interval ends in one device sync)")
     args, overrides = parser.parse_known_args()
@@ -99,10 +96,6 @@ def main() -> None:
         parser.error("--steps must exceed --warmup")
     overrides += ["--training.steps", str(args.steps), "--metrics.log_every", str(args.log_every),
                   "--metrics.tensorboard", "false"]
-    if args.fused_fp8_cast:
-        from dtrain.parallel.fp8 import fuse_fp8_weight_cast
-
-        fuse_fp8_weight_cast()
     trainer = Trainer(load_config(args.recipe, overrides))
     history = trainer.train()
     steady = [r for r in history if r["step"] > args.warmup + args.log_every - 1]

@@ -6,8 +6,9 @@ before its update (dtrain.parallel.overlap).
 In every forward after the first, right after each FSDP unit's all-gather is issued, the
 device waits for all updates and compares each gathered weight with its updated shards gathered
 again (in the compute dtype, as FSDP casts them). It prints the number of weights that differ
-per step: 0 is correct. ``--no-wait`` removes the per-unit wait, to show that the check sees the
-race it guards against.
+per step: 0 is correct. The side stream first sleeps ``--delay-ms`` before each step's updates,
+so that they are late for the next forward whatever the host's lead; ``--no-wait`` removes the
+per-unit wait, to show that the check then sees the race it guards against.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--no-wait", action="store_true",
                         help="drop the per-unit wait (the check should then find stale weights)")
+    parser.add_argument("--delay-ms", type=float, default=50.0,
+                        help="device sleep on the side stream before each step's updates")
     args, overrides = parser.parse_known_args()
     if args.no_wait:
         OverlappedStep._wait_for_update = lambda self, module, inputs: self.pending.clear()
@@ -48,6 +51,16 @@ def main() -> None:
                 if id(param) in wanted:
                     checks.append((module, name, param))
     stale = []
+    # The side stream sleeps before the first unit's update (optimizer.step runs on it).
+    step_unit, late = stepper.optimizer.step, [False]
+
+    def late_step(*a, **kw):
+        if late[0]:
+            torch.cuda._sleep(int(args.delay_ms * 1e-3 * 1.5e9))  # cycles, at about 1.5 GHz
+            late[0] = False
+        return step_unit(*a, **kw)
+
+    stepper.optimizer.step = late_step
 
     def check(module, inputs):
         if trainer.step == 0:
@@ -64,6 +77,7 @@ def main() -> None:
         module.register_forward_pre_hook(check)  # after FSDP's pre-forward: gathered weights
     for step in range(args.steps):
         stale.append(0)
+        late[0] = True
         # As the training loop runs it: the updates left in flight, the host running ahead
         # (no synchronisation here, which would let every update finish before the next step).
         trainer._run_step()

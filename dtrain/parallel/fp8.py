@@ -230,7 +230,7 @@ def fuse_fp8_weight_cast() -> None:
     backward all-gather. With the scale precomputed (``precompute_fp8_scales``), this makes it
     one fused kernel with the same values; without it, torchao's path runs unchanged. It
     replaces the method on torchao's class, for the whole process; calling it again does
-    nothing. Not yet the default: ``tools/bench.py --fused-fp8-cast`` measures it.
+    nothing. The Trainer calls it under FP8 all-gather (``fp8.fused_weight_cast``).
     """
     from torchao.float8.float8_utils import to_fp8_saturated
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
