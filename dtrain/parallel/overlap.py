@@ -4,10 +4,10 @@ After the backward, every weight update is ready to run, but the next forward ne
 first unit's weights to start. ``OverlappedStep`` runs the step unit by unit in forward order on a
 side stream and records an event after each unit; each unit's next all-gather waits for its own
 event only. The updates of the later units then run while the first ones compute, instead of
-the whole step (about 35 ms for Llama 3 8B over 2 H200) holding the device between steps. The
-update is bandwidth-bound and shares the SMs with the forward's GEMMs more than it hides behind
-them: measured +0.4% tokens/s in bf16 and about +2% in FP8, whose step is shorter and whose
-forward is host-bound (docs/benchmarks.md).
+the whole step (about 35 ms for Llama 3 8B over 2 H200) holding the device between steps.
+Measured: +0.4% tokens/s in bf16 and about +2% in FP8, whose step is shorter and whose forward is
+host-bound (docs/benchmarks.md); the bandwidth-bound update seems to share the SMs with the
+forward's GEMMs more than it hides behind them.
 
 The arithmetic is the optimizer's own, unchanged: each unit's parameters are stepped by
 ``optimizer.step()`` over that unit alone, so every parameter gets exactly one update from the
