@@ -184,7 +184,8 @@ def build_model(cfg: Config, dims: ParallelDims, mesh: DeviceMesh | None, device
     fsdp = mesh is not None and dims.fsdp_enabled
     # (converted, kept) linear layer names; FP8 all-gather precomputes scales after each step.
     fp8_layers = convert_to_fp8(model, cfg.fp8, fsdp) if cfg.fp8.enabled else None
-    if cfg.fp8.enabled and fp8_all_gather(cfg.fp8, fsdp) and cfg.fp8.fused_weight_cast:
+    all_gather_fp8 = fp8_all_gather(cfg.fp8, fsdp)
+    if all_gather_fp8 and cfg.fp8.fused_weight_cast:
         fuse_fp8_weight_cast()
 
     parts, stage_indices, num_stages = [model], [0], 1
@@ -205,7 +206,7 @@ def build_model(cfg: Config, dims: ParallelDims, mesh: DeviceMesh | None, device
     parts = [parallelize(part, dims, mesh, cfg.parallel, cfg.activation_checkpoint, cfg.compile,
                          compute_dtype, cfg.fp8) for part in parts]
     return BuiltModel(parts, stage_indices, num_stages, num_params, flops, compute_dtype,
-                      fp8_layers, fp8_all_gather(cfg.fp8, fsdp))
+                      fp8_layers, all_gather_fp8)
 
 
 class Trainer:
@@ -221,6 +222,7 @@ class Trainer:
         if cfg.fp8.enabled:
             check_fp8(cfg.fp8, self.device, self.dims.tp, cfg.compile.enabled)
         self.global_batch, self.grad_accum = batch_arithmetic(cfg.training, self.dims.dp)
+        self.tokens_per_step = self.global_batch * cfg.training.seq_len
         torch.manual_seed(cfg.training.seed)
         if cfg.training.deterministic:
             torch.use_deterministic_algorithms(True)
@@ -276,7 +278,7 @@ class Trainer:
             self.pipeline = Pipeline(
                 self.model_parts, stage_indices, num_stages, cfg.parallel.pp_schedule,
                 self.grad_accum, self.dims.mesh("pp"), self.device, self.loss_fn,
-                loss_scale=self.dims.dp * self.dims.cp / (self.global_batch * tcfg.seq_len))
+                loss_scale=self.dims.dp * self.dims.cp / self.tokens_per_step)
             for part in self.model_parts:  # stages are called with their input alone
                 part.positions = self.positions
         self.optimizer = build_optimizer(self.model_parts, cfg.optimizer, self.device.type)
@@ -411,7 +413,7 @@ class Trainer:
 
     def _mean_loss(self, loss_sum: torch.Tensor) -> torch.Tensor:
         """Mean token loss over the global batch from each rank's ``_run_step`` loss sum."""
-        return self._reduce_sum(loss_sum) / (self.global_batch * self.config.training.seq_len)
+        return self._reduce_sum(loss_sum) / self.tokens_per_step
 
     def _run_step(self) -> tuple[torch.Tensor, torch.Tensor, float]:
         """``train_step`` as the training loop runs it: returns this rank's summed token loss
@@ -420,11 +422,10 @@ class Trainer:
         still be running on their side stream. The next step's forward waits for them unit by
         unit; anything else reading the weights calls ``wait_for_update()`` first."""
         tcfg = self.config.training
-        tokens = self.global_batch * tcfg.seq_len
         # Each rank's gradient is averaged over dp x cp by FSDP (a cp rank's loss covers only
         # its tokens); scale so the result is the gradient of the mean token loss over the whole
         # global batch.
-        scale = self.dims.dp * self.dims.cp / tokens
+        scale = self.dims.dp * self.dims.cp / self.tokens_per_step
         loss_sum = torch.zeros((), device=self.device)
         data_wait = 0.0
         reset_moe_stats(self.moe_layers)
@@ -490,7 +491,6 @@ class Trainer:
 
     def _train_loop(self, last: int, first_step: int, run_start: float, collect) -> None:
         tcfg, mcfg = self.config.training, self.config.metrics
-        tokens_per_step = self.global_batch * tcfg.seq_len
         interval_start, interval_steps, data_wait = run_start, 0, 0.0
         while self.step < last:
             lr = self.optimizer.param_groups[0]["lr"]
@@ -524,7 +524,7 @@ class Trainer:
             loss_value, norm_value = loss.item(), grad_norm.item()  # waits for the device
             now = time.perf_counter()
             step_time = (now - interval_start) / interval_steps
-            tps = tokens_per_step / step_time / self.world_size
+            tps = self.tokens_per_step / step_time / self.world_size
             record = {
                 "loss": loss_value, "grad_norm": norm_value, "lr": lr,
                 "tokens_per_second_per_device": tps,

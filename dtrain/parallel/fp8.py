@@ -182,8 +182,8 @@ class UnitScales:
     """``precompute_fp8_scales`` one FSDP unit at a time, for the overlapped optimizer step
     (``dtrain.parallel.overlap``): called with a unit's parameters right after their update, it
     sets the scales of the FP8 weights among them. The values are torchao's (the weights'
-    absolute maxima, all-reduced with max; finfo.max / amax in float64, kept in float32), but
-    the all-reduce runs over ``group``, a communicator of its own: on FSDP's, these small
+    absolute maxima, all-reduced with max, through torchao's ``amax_to_scale``), but the
+    all-reduce runs over ``group``, a communicator of its own: on FSDP's, these small
     reductions would queue behind the all-gathers of the next forward, and the first all-gather
     behind the last unit's update. Max over ranks holding copies changes nothing, so ``group``
     may be any set of ranks that covers every shard of every weight, all of them holding the
@@ -203,7 +203,7 @@ class UnitScales:
     @torch.no_grad()
     def __call__(self, params: Sequence[nn.Parameter]) -> None:
         import torch.distributed as dist
-        from torchao.float8.float8_utils import EPS
+        from torchao.float8.float8_utils import amax_to_scale
 
         linears = [self.linears[id(p)] for p in params if id(p) in self.linears]
         if not linears:
@@ -212,11 +212,7 @@ class UnitScales:
         local = [m.weight._local_tensor for m in linears]
         amax = torch.stack(torch._foreach_norm(local, ord=float("inf")))
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
-        amax = torch.clamp(amax, EPS)
-        scale = torch.finfo(target).max / amax.to(torch.float64)
-        if amax.dtype is torch.float16:
-            scale = torch.clamp(scale, max=torch.finfo(torch.float16).max)
-        scale = scale.to(torch.float32)
+        scale = amax_to_scale(amax, target)
         for i, linear in enumerate(linears):
             linear.weight._local_tensor._precomputed_scale = scale[i]
 

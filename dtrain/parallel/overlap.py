@@ -84,13 +84,11 @@ class OverlappedStep:
             raise ValueError("OverlappedStep: some parameters are outside every FSDP unit")
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.pending: dict[int, torch.cuda.Event] = {}
-        self._hooks = []
         if self.stream is not None:
             for part in parts:
                 for module in part.modules():
                     if isinstance(module, FSDPModule):
-                        self._hooks.append(module.register_forward_pre_hook(
-                            self._wait_for_update, prepend=True))
+                        module.register_forward_pre_hook(self._wait_for_update, prepend=True)
 
     def _wait_for_update(self, module: nn.Module, args) -> None:
         """Before the unit's own pre-forward (its all-gather): its streams wait for its update."""
@@ -146,11 +144,6 @@ class OverlappedStep:
         ctx = getattr(self.units[0][0], "_comm_ctx", None)
         return all(hasattr(ctx, name) for name in ("all_gather_copy_in_stream",
                                                    "all_gather_stream"))
-
-    def remove(self) -> None:
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks.clear()
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
