@@ -237,14 +237,27 @@ def _upper(sq: int, sk: int, device) -> torch.Tensor:
     return torch.ones(sq, sk, dtype=torch.bool, device=device).triu(1)
 
 
+def _merge_eager(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
+                 block_lse: torch.Tensor) -> None:
+    """Folds a block's (out, lse) into the running (out, lse), in place, computing in fp32 (or
+    wider) whatever ``out``'s dtype: a bf16 ``out`` is rounded once per merge."""
+    new = torch.logaddexp(lse, block_lse)
+    dtype = _math_dtype(out)
+    merged = (out.to(dtype) * torch.exp(lse - new).unsqueeze(-1)
+              + block_out.to(dtype) * torch.exp(block_lse - new).unsqueeze(-1))
+    out.copy_(merged)
+    lse.copy_(new)
+
+
+# On CUDA the merge is one compiled kernel (read both outputs, write one) where eager runs six
+# passes over the output; it runs inside the attention operators, which the model's compiled
+# graph calls as opaque kernels.
+_merge_fused = torch.compile(_merge_eager, dynamic=False)
+
+
 def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
            block_lse: torch.Tensor) -> None:
-    """Folds a block's (out, lse) into the running (out, lse), in place; the first block into
-    (0, -inf) is a copy."""
-    new = torch.logaddexp(lse, block_lse)
-    out.mul_(torch.exp(lse - new).unsqueeze(-1))
-    out.add_(block_out.to(out.dtype) * torch.exp(block_lse - new).unsqueeze(-1))
-    lse.copy_(new)
+    (_merge_fused if out.is_cuda else _merge_eager)(out, lse, block_out, block_lse)
 
 
 def _accumulators(q: torch.Tensor):
@@ -291,14 +304,19 @@ def _ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: st
     q, k, v = _heads_first(q, k, v)
     half = q.shape[2] // 2
     kv = torch.stack([k, v])
-    out, lse = _accumulators(q)
+    out = lse = None
     for step in range(n):
         if step + 1 < n:  # the next block travels while this one is computed
             incoming, requests = _exchange(kv, shards)
         qs, ks, causal = _ring_block(r, (r - step) % n, half)
         block_out, block_lse = _attend(q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], causal,
                                        kernel)
-        _merge(out[:, :, qs], lse[:, :, qs], block_out, block_lse)
+        if out is None:  # the rank's own block, all its queries: the running result as it is
+            out, lse = block_out, block_lse
+            if n > 2:  # several merges follow: accumulate in fp32, round once at the end
+                out = _like_seq_first(q, _math_dtype(q)).copy_(block_out)
+        else:
+            _merge(out[:, :, qs], lse[:, :, qs], block_out, block_lse)
         if step + 1 < n:
             _wait(requests)
             kv = incoming
@@ -315,9 +333,12 @@ def _ring_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     r, n = shards.rank, shards.size
     dout, q, k, v, out = _heads_first(dout, q, k, v, out)
     half = q.shape[2] // 2
-    dq = _like_seq_first(q, _math_dtype(q)).zero_()
+    # Gradients summed over two blocks (cp = 2) stay in the kernel's dtype: an in-place add
+    # rounds the exact sum once, as an fp32 accumulator would at the end, and dK/dV travel in
+    # half the bytes. More blocks accumulate in fp32.
+    acc = q.dtype if n == 2 else _math_dtype(q)
     kv = torch.stack([k, v])
-    dkv, pending = None, None
+    dq = dkv = pending = None
     for step in range(n):
         if step + 1 < n:
             incoming, requests = _exchange(kv, shards)
@@ -325,14 +346,15 @@ def _ring_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
         dq_block, dk_block, dv_block = _attend_backward(
             dout[:, :, qs], q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], out[:, :, qs],
             lse[:, :, qs], causal, kernel)
-        dq[:, :, qs] += dq_block
-        # The dK/dV accumulated by the ranks this block visited before arrives meanwhile.
-        if pending is None:
-            dkv = torch.zeros_like(kv, dtype=_math_dtype(q))
+        if dq is None:  # the rank's own block: all its queries and keys
+            dq = dq_block.to(acc)
+            dkv = torch.stack([dk_block, dv_block]).to(acc)
         else:
+            dq[:, :, qs] += dq_block
+            # The dK/dV accumulated by the ranks this block visited before arrives meanwhile.
             _wait(pending)
-        dkv[0][:, :, ks] += dk_block
-        dkv[1][:, :, ks] += dv_block
+            dkv[0][:, :, ks] += dk_block
+            dkv[1][:, :, ks] += dv_block
         dkv, pending = _exchange(dkv, shards)
         if step + 1 < n:
             _wait(requests)
