@@ -108,11 +108,26 @@ def rope_cache(seq_len: int, head_dim: int, theta: float,
 
 def apply_rope(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
     """Rotates channel pairs (2i, 2i+1) of x (batch, seq, heads, head_dim) by the cached angles
-    (Meta's interleaved layout), as one complex multiply: three kernels in eager mode."""
+    (Meta's interleaved layout), in fp32 for 16-bit x.
+
+    Eager: one complex multiply (three kernels). Under ``torch.compile``: the same products in
+    real arithmetic, which Inductor fuses into one kernel with the casts around them; it has no
+    code generation for complex tensors and would run the complex multiply as a separate eager
+    kernel, with the casts before and after it separate passes too."""
+    cache = cache[: x.shape[1], None, :]
     real = x.to(torch.promote_types(x.dtype, torch.float32))  # bf16 rotates in fp32
+    if torch.compiler.is_compiling():
+        return _rotate_pairs(real, torch.view_as_real(cache)).type_as(x)
     pairs = torch.view_as_complex(real.unflatten(-1, (-1, 2)))
-    rotated = pairs * cache[: x.shape[1], None, :].to(pairs.dtype)
-    return torch.view_as_real(rotated).flatten(-2).type_as(x)
+    return torch.view_as_real(pairs * cache.to(pairs.dtype)).flatten(-2).type_as(x)
+
+
+def _rotate_pairs(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    """(a, b) -> (a cos - b sin, a sin + b cos) for each channel pair of x, with the angles'
+    cosine and sine as the last dimension of ``cos_sin`` (the complex cache viewed as real)."""
+    a, b = x.unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = cos_sin.to(x.dtype).unbind(-1)
+    return torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2)
 
 
 def canonical_name(name: str) -> str:
