@@ -73,6 +73,15 @@ def peak_reserved_gib(device: torch.device) -> float | None:
     return torch.cuda.max_memory_reserved(device) / 2**30 if device.type == "cuda" else None
 
 
+def alloc_retries(device: torch.device) -> int | None:
+    """How many times the CUDA caching allocator found no free block, released its cached memory
+    and tried again since the process started (each a device-wide synchronisation: the steps
+    where it happens stall); None on CPU."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
+
+
 def format_eta(seconds: float) -> str:
     seconds = int(seconds)
     hours, rest = divmod(seconds, 3600)
@@ -139,8 +148,12 @@ class MetricsLogger:
             parts.append(f"aux {r['aux_loss']:.3f} z {r['z_loss']:.2f} "
                          f"imbalance {r['moe_load_imbalance']:.2f}")
         parts += [f"step {r['step_time_s']:.3f}s", f"data {r['data_wait_percent']:.1f}%",
-                  f"mem {r['peak_memory_gib']:.1f}GiB",
-                  f"{100 * step / total_steps:.0f}% ETA {format_eta(r['eta_s'])}"]
+                  f"mem {r['peak_memory_gib']:.1f}GiB"]
+        if r.get("alloc_retries"):
+            parts.append(f"{r['alloc_retries']} allocator retries: memory is full, steps stall "
+                         "(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, more activation "
+                         "checkpointing or a smaller micro-batch)")
+        parts.append(f"{100 * step / total_steps:.0f}% ETA {format_eta(r['eta_s'])}")
         return " | ".join(parts)
 
     def close(self) -> None:

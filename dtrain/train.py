@@ -37,6 +37,7 @@ from dtrain.data.loader import Prefetcher, build_loader
 from dtrain.data.tokenizer import Tokenizer, padded_vocab_size
 from dtrain.metrics import (
     MetricsLogger,
+    alloc_retries,
     mfu,
     model_flops_per_token,
     peak_memory_gib,
@@ -480,6 +481,7 @@ class Trainer:
         run_start, first_step = time.perf_counter(), self.step  # first_step > 0 after a resume
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+        self._retries_logged = alloc_retries(self.device) or 0
         with manual_gc(tcfg.gc_interval) as collect:
             self._train_loop(last, first_step, run_start, collect)
         self.wait_for_update()  # the weights are the last step's for whatever reads them next
@@ -537,6 +539,9 @@ class Trainer:
             }
             if (reserved := peak_reserved_gib(self.device)) is not None:
                 record["peak_reserved_gib"] = reserved
+            if (retries := alloc_retries(self.device)) is not None:
+                record["alloc_retries"] = retries - self._retries_logged  # in this interval
+                self._retries_logged = retries
             if self.peak_tflops:
                 record["mfu_percent"] = 100 * mfu(tps, self.flops_per_token, self.peak_tflops)
             # A pipeline's first step also runs each stage once on placeholder inputs (shape

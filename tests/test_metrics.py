@@ -8,6 +8,7 @@ import torch
 from dtrain.config import MetricsConfig
 from dtrain.metrics import (
     MetricsLogger,
+    alloc_retries,
     flops_per_token,
     mfu,
     model_flops_per_token,
@@ -53,3 +54,16 @@ def test_logger_writes_jsonl_and_tensorboard(tmp_path, capsys):
     line = capsys.readouterr().out
     assert "step  5/10" in line and "loss 2.5000" in line and "MFU 10.0%" in line
     assert "ETA 0:01:05" in line
+
+
+def test_allocator_retries_are_shown_only_when_they_happen():
+    record = {"loss": 2.5, "grad_norm": 1.0, "lr": 1e-3, "tokens_per_second_per_device": 1000.0,
+              "tflops_per_device": 1.0, "step_time_s": 0.5, "data_wait_percent": 1.0,
+              "peak_memory_gib": 2.0, "eta_s": 65.0}
+    assert "allocator" not in MetricsLogger.format_line(5, 10, record)
+    assert "allocator" not in MetricsLogger.format_line(5, 10, {**record, "alloc_retries": 0})
+    line = MetricsLogger.format_line(5, 10, {**record, "alloc_retries": 3})
+    assert "3 allocator retries" in line and "expandable_segments:True" in line
+    assert line.endswith("50% ETA 0:01:05")
+    assert alloc_retries(torch.device("cpu")) is None
+

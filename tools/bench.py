@@ -111,6 +111,8 @@ def main() -> None:
         "step_time_s": round(median, 4),
         "peak_memory_gib": round(max(r["peak_memory_gib"] for r in history), 1),
         "peak_reserved_gib": round(max(r.get("peak_reserved_gib", 0.0) for r in history), 1),
+        # CUDA caching-allocator retries in the timed steps (each one stalls its step).
+        "alloc_retries": sum(r.get("alloc_retries", 0) for r in steady),
         "final_loss": round(history[-1]["loss"], 4),
         "commit": commit(),
         "hardware": hardware(trainer.device, trainer.world_size),
