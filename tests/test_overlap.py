@@ -11,7 +11,7 @@ from dtrain.config import OptimizerConfig
 from dtrain.models import build
 from dtrain.optim import build_optimizer, clip_grad_norm_
 from dtrain.parallel.fsdp import apply_fsdp
-from dtrain.parallel.overlap import OverlappedStep, fsdp_units, only
+from dtrain.parallel.overlap import OverlappedStep, fsdp_units, only, unit_groups
 
 
 @pytest.fixture
@@ -47,7 +47,8 @@ def test_only_narrows_the_step_and_restores_the_groups():
     a, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
     opt = torch.optim.SGD([a, b], lr=1.0)
     a.grad = b.grad = torch.ones(2)
-    with only(opt, [b]):
+    assert unit_groups(opt, [b]) == [[b]]
+    with only(opt, unit_groups(opt, [b])):
         opt.step()
     assert torch.equal(a, torch.ones(2)) and torch.equal(b, torch.zeros(2))
     assert opt.param_groups[0]["params"] == [a, b]

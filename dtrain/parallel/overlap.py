@@ -50,15 +50,21 @@ def fsdp_units(parts: Sequence[nn.Module]) -> list[tuple[object, list[nn.Paramet
     return list(owned.items())
 
 
-@contextlib.contextmanager
-def only(optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter]) -> Iterator[None]:
-    """The optimizer's parameter groups narrowed to ``params`` (each group keeps its options), so
-    that ``optimizer.step()`` updates those alone."""
+def unit_groups(optimizer: torch.optim.Optimizer,
+                params: Sequence[nn.Parameter]) -> list[list[nn.Parameter]]:
+    """The optimizer's parameter groups narrowed to ``params``: one list per group, in order."""
     chosen = {id(p) for p in params}
+    return [[p for p in group["params"] if id(p) in chosen] for group in optimizer.param_groups]
+
+
+@contextlib.contextmanager
+def only(optimizer: torch.optim.Optimizer, groups: list[list[nn.Parameter]]) -> Iterator[None]:
+    """The optimizer's parameter groups narrowed to ``groups`` (from ``unit_groups``; each group
+    keeps its options), so that ``optimizer.step()`` updates those parameters alone."""
     whole = [group["params"] for group in optimizer.param_groups]
     try:
-        for group in optimizer.param_groups:
-            group["params"] = [p for p in group["params"] if id(p) in chosen]
+        for group, narrowed in zip(optimizer.param_groups, groups, strict=True):
+            group["params"] = narrowed
         yield
     finally:
         for group, kept in zip(optimizer.param_groups, whole, strict=True):
@@ -77,11 +83,12 @@ class OverlappedStep:
         self.optimizer = optimizer
         self.after_unit = after_unit  # e.g. the unit's FP8 scales (fp8.UnitScales)
         stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        self.units = [(state, [p for p in params if id(p) in stepped])
-                      for state, params in fsdp_units(parts)]
-        self.units = [(state, params) for state, params in self.units if params]
+        self.units = [(state, kept) for state, params in fsdp_units(parts)
+                      if (kept := [p for p in params if id(p) in stepped])]
         if any(state is None for state, _ in self.units):
             raise ValueError("OverlappedStep: some parameters are outside every FSDP unit")
+        # Each unit's share of the parameter groups, narrowed once rather than every step.
+        self.groups = [unit_groups(optimizer, params) for _, params in self.units]
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.pending: dict[int, torch.cuda.Event] = {}
         if self.stream is not None:
@@ -113,8 +120,8 @@ class OverlappedStep:
             self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
             on_side = torch.cuda.stream(self.stream)
         with on_side:
-            for state, params in self.units:
-                with only(self.optimizer, params):
+            for (state, params), groups in zip(self.units, self.groups, strict=True):
+                with only(self.optimizer, groups):
                     self.optimizer.step()
                 if self.after_unit is not None:
                     self.after_unit(params)
