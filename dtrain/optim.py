@@ -70,50 +70,26 @@ def grad_norm(grads: list[torch.Tensor], pp_group=None) -> torch.Tensor:
     """L2 norm of the full, unsharded gradients: local sums of squares, summed over the mesh
     dimensions each DTensor is sharded on (replicated dimensions hold copies and are not), and
     over ``pp_group`` (pipeline stages hold different parameters)."""
-    return reduce_squares(local_squares(grads), pp_group)
-
-
-GroupKey = tuple | None  # (mesh, placements) of a DTensor gradient; None for plain tensors
-
-
-def _local_view(g: torch.Tensor) -> tuple[GroupKey, torch.Tensor]:
-    if isinstance(g, DTensor):
-        return (g.device_mesh, tuple(g.placements)), g.to_local()
-    return None, g
-
-
-def local_squares(grads: list[torch.Tensor],
-                  into: dict[GroupKey, torch.Tensor] | None = None) -> dict[GroupKey, torch.Tensor]:
-    """This rank's sum of squares of ``grads`` per (mesh, placements), added into ``into``.
-    Partial DTensors are reduced first (squares of summands do not add up): a collective."""
-    groups: dict[GroupKey, list[torch.Tensor]] = defaultdict(list)
+    groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
     for g in grads:
         if isinstance(g, DTensor) and any(p.is_partial() for p in g.placements):
+            # Partial values are summands: squares of summands do not add up; reduce first.
             g = g.redistribute(placements=[Replicate() if p.is_partial() else p
                                            for p in g.placements])
-        key, local = _local_view(g)
-        groups[key].append(local)
-    squares = {} if into is None else into
+        key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
+        groups[key].append(g.to_local() if isinstance(g, DTensor) else g)
+    total = None
     for key, tensors in groups.items():
         if tensors[0].is_cuda:
-            part = torch.stack(torch._foreach_norm(tensors, 2.0)).float().pow(2).sum()
+            squares = torch.stack(torch._foreach_norm(tensors, 2.0)).float().pow(2).sum()
         else:  # the CPU norm kernel sums sequentially in fp32; pairwise sum() is exact enough
-            part = torch.stack([t.float().pow(2).sum() for t in tensors]).sum()
-        squares[key] = part if key not in squares else squares[key] + part
-    return squares
-
-
-def reduce_squares(squares: dict[GroupKey, torch.Tensor], pp_group=None) -> torch.Tensor:
-    """The global norm from ``local_squares``: each group summed over the mesh dimensions its
-    gradients are sharded on, all groups added, summed over ``pp_group``, square root."""
-    total = None
-    for key, part in squares.items():
+            squares = torch.stack([t.float().pow(2).sum() for t in tensors]).sum()
         if key is not None:
             mesh, placements = key
             for dim, placement in enumerate(placements):
                 if not placement.is_replicate():  # Shard or _StridedShard (FSDP over TP)
-                    dist.all_reduce(part, group=mesh.get_group(dim))
-        total = part if total is None else total + part
+                    dist.all_reduce(squares, group=mesh.get_group(dim))
+        total = squares if total is None else total + squares
     if total is None:  # a stage without gradients contributes nothing
         total = torch.zeros(())
     if pp_group is not None:
@@ -121,84 +97,17 @@ def reduce_squares(squares: dict[GroupKey, torch.Tensor], pp_group=None) -> torc
     return total.sqrt()
 
 
-class EarlyGradNorm:
-    """The gradient norm's local sums of squares, computed during the backward as each FSDP
-    unit's gradients arrive instead of over all of them after it.
-
-    FSDP2 runs a parameter's post-accumulate-grad hooks right after the unit's reduce-scatter,
-    on the stream that ran it. The hook here waits for the unit's last parameter and adds the
-    squares of the unit's sharded gradients on that stream, beside the backward of the units
-    before it. After the backward only the last unit's share is left: for Llama 3 8B the
-    embeddings', whose reduce-scatter ends the backward, while the norm over all gradients took
-    about 5 ms of the compute stream between backward and step. Without FSDP the hooks run as
-    autograd accumulates each gradient, and the result is the same.
-
-    ``arm()`` before the backward that completes the gradients (the last micro-batch), then
-    ``norm()`` after it. The result equals ``grad_norm`` up to the order of the additions.
-    Gradients that arrive otherwise (Partial DTensors, which need a collective to reduce, or
-    parameters whose hook did not run) are summed by ``norm()``."""
-
-    def __init__(self, units: list[list[nn.Parameter]]):
-        self.units = [unit for unit in units if unit]
-        self.unit_of = {id(p): i for i, unit in enumerate(self.units) for p in unit}
-        self.armed = False
-        self._arrived: dict[int, list[nn.Parameter]] = defaultdict(list)
-        self._done: set[int] = set()
-        self._squares: dict[GroupKey, torch.Tensor] = {}
-        self.handles = [p.register_post_accumulate_grad_hook(self._arrive)
-                        for unit in self.units for p in unit]
-
-    def arm(self) -> None:
-        self.armed = True
-        self._arrived.clear()
-        self._done.clear()
-        self._squares = {}
-
-    def _arrive(self, param: nn.Parameter) -> None:
-        if not self.armed or param.grad is None:
-            return
-        if isinstance(param.grad, DTensor) and any(p.is_partial() for p in param.grad.placements):
-            return  # reduced by norm(), on the compute stream
-        unit = self.unit_of[id(param)]
-        arrived = self._arrived[unit]
-        arrived.append(param)
-        if len(arrived) == len(self.units[unit]):
-            local_squares([p.grad for p in arrived], into=self._squares)
-            self._done.update(id(p) for p in arrived)
-            arrived.clear()
-
-    def norm(self, pp_group=None) -> torch.Tensor:
-        """The global gradient norm of the armed backward (disarms)."""
-        self.armed = False
-        rest = [p.grad for unit in self.units for p in unit
-                if p.grad is not None and id(p) not in self._done]
-        squares = local_squares(rest, into=self._squares)
-        self._squares = {}
-        return reduce_squares(squares, pp_group)
-
-    @property
-    def early_share(self) -> float:
-        """Share of the parameters whose squares the hooks summed in the last armed backward."""
-        return len(self._done) / max(len(self.unit_of), 1)
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-
-
 def clip_grad_norm_(parameters: list[nn.Parameter], max_norm: float, pp_group=None,
-                    optimizer: torch.optim.Optimizer | None = None,
-                    norm: torch.Tensor | None = None) -> torch.Tensor:
+                    optimizer: torch.optim.Optimizer | None = None) -> torch.Tensor:
     """Global L2 norm of all gradients (see ``grad_norm``) and, if ``max_norm > 0``, scales
-    them so the norm is at most ``max_norm``. ``norm``: the norm already computed
-    (``EarlyGradNorm``).
+    them so the norm is at most ``max_norm``.
 
     Given a fused AdamW ``optimizer``, the gradients are not rewritten: the optimizer's next
     step divides each gradient by ``optimizer.grad_scale`` as it reads it (the hook torch's
     fused kernels keep for loss scaling), which saves one pass over all gradients (about 9 ms a
     step for Llama 3 8B over 2 GPUs). The clipped update is the same to rounding."""
-    if norm is None:
-        norm = grad_norm([p.grad for p in parameters if p.grad is not None], pp_group)
+    grads = [p.grad for p in parameters if p.grad is not None]
+    norm = grad_norm(grads, pp_group)
     if optimizer is not None and folds_clipping(optimizer):
         # torch's clip: coefficient max_norm / (norm + 1e-6), at most 1; divide by its inverse.
         optimizer.grad_scale = ((norm + 1e-6) / max_norm).clamp(min=1.0) if max_norm > 0 \

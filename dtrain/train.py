@@ -45,7 +45,7 @@ from dtrain.metrics import (
     peak_tflops,
 )
 from dtrain.models import Transformer, model_args
-from dtrain.optim import EarlyGradNorm, build_lr_scheduler, build_optimizer, clip_grad_norm_
+from dtrain.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from dtrain.parallel import ParallelDims, parallelize
 from dtrain.parallel.context import check_cp, load_balanced_positions
 from dtrain.parallel.expert import (
@@ -64,7 +64,7 @@ from dtrain.parallel.fp8 import (
     fuse_fp8_weight_cast,
     precompute_fp8_scales,
 )
-from dtrain.parallel.overlap import OverlappedStep, fsdp_units
+from dtrain.parallel.overlap import OverlappedStep, compute_stream
 from dtrain.parallel.pipeline import (
     Pipeline,
     check_pipeline,
@@ -219,14 +219,14 @@ class Trainer:
         self.device, self.rank, self.world_size = init_distributed(cfg.training.device,
                                                                    cpu_collectives=async_save)
         self.dims = ParallelDims.from_config(cfg.parallel, self.world_size)
-        # Each FSDP unit's update overlaps the next forward (dtrain.parallel.overlap).
+        # Each FSDP unit's update overlaps the next forward (dtrain.parallel.overlap). The
+        # forward and backward then run on a stream of higher priority than the updates', so
+        # that the GPU's block scheduler starts their kernels first.
         overlap = (cfg.optimizer.overlap_step and self.device.type == "cuda"
                    and self.world_size > 1 and self.dims.fsdp_enabled and self.dims.pp == 1
                    and not cfg.parallel.fsdp_cpu_offload)
-        if overlap and os.environ.get("DTRAIN_PRIORITY", "1") == "1":
-            stream = torch.cuda.Stream(self.device, priority=-1)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            torch.cuda.set_stream(stream)
+        if overlap:
+            torch.cuda.set_stream(compute_stream(self.device))
         self.mesh = self.dims.build_mesh(self.device.type) if self.world_size > 1 else None
         if cfg.fp8.enabled:
             check_fp8(cfg.fp8, self.device, self.dims.tp, cfg.compile.enabled)
@@ -301,11 +301,6 @@ class Trainer:
                 else None
             self.overlapped_step = OverlappedStep(self.optimizer, self.model_parts, self.device,
                                                   after_unit=scales)
-        # The gradient norm's squares summed as each unit's gradients arrive (not with a
-        # pipeline, whose schedule runs the micro-batches' backwards itself).
-        self.early_norm = None if self.pipeline is not None or os.environ.get("DTRAIN_EARLY_NORM", "1") != "1" else EarlyGradNorm(
-            [[p for p in params if p.requires_grad]
-             for _, params in fsdp_units(self.model_parts)])
         self.step = 0
         self.checkpointer = None
         if cfg.checkpoint.enabled:
@@ -450,22 +445,18 @@ class Trainer:
                 loss_sum = self.pipeline.step(inputs, labels)
             # The last stage holds the loss: sum over the stages gives it to every rank.
             dist.all_reduce(loss_sum, group=self.dims.mesh("pp").get_group())
-        for micro in range(self.grad_accum if self.pipeline is None else 0):
+        for _ in range(self.grad_accum if self.pipeline is None else 0):
             start = time.perf_counter()
             inputs, labels = self._local_tokens(*self.loader.next_batch())
             data_wait += time.perf_counter() - start
-            if micro == self.grad_accum - 1 and self.early_norm is not None:
-                self.early_norm.arm()  # this backward completes the gradients
             with self._step_context():
                 loss = self.loss_fn(self.model(inputs, self.positions), labels)
                 (loss * scale).backward()
             loss_sum += _plain(loss.detach())
         pp_mesh = self.dims.mesh("pp")
-        pp_group = pp_mesh.get_group() if pp_mesh else None
-        grad_norm = clip_grad_norm_(
-            [p for part in self.model_parts for p in part.parameters()], tcfg.max_norm,
-            pp_group, self.optimizer,
-            norm=self.early_norm.norm(pp_group) if self.early_norm is not None else None)
+        grad_norm = clip_grad_norm_([p for part in self.model_parts for p in part.parameters()],
+                                    tcfg.max_norm, pp_mesh.get_group() if pp_mesh else None,
+                                    self.optimizer)
         if self.checkpointer:
             self.checkpointer.wait_staged()  # an async save may still be copying the weights
         if self.overlapped_step is not None:

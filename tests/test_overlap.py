@@ -1,8 +1,6 @@
 """The optimizer step taken one FSDP unit at a time (dtrain.parallel.overlap) gives the same
 weights and optimizer state as the whole step, bit for bit; its units cover every parameter once,
-in forward order. The side stream itself is CUDA-only (checked on the GPU: docs/benchmarks.md).
-The gradient norm summed unit by unit during the backward (dtrain.optim.EarlyGradNorm) equals
-the norm over all gradients after it."""
+in forward order. The side stream itself is CUDA-only (checked on the GPU: docs/benchmarks.md)."""
 
 import pytest
 import torch
@@ -11,7 +9,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from dtrain.config import OptimizerConfig
 from dtrain.models import build
-from dtrain.optim import EarlyGradNorm, build_optimizer, clip_grad_norm_, grad_norm
+from dtrain.optim import build_optimizer, clip_grad_norm_
 from dtrain.parallel.fsdp import apply_fsdp
 from dtrain.parallel.overlap import OverlappedStep, fsdp_units, only, unit_groups
 
@@ -80,30 +78,3 @@ def test_unit_by_unit_step_equals_the_whole_step(mesh, impl):
             got = got.full_tensor() if hasattr(got, "full_tensor") else got
             want = want.full_tensor() if hasattr(want, "full_tensor") else want
             assert torch.equal(got, want), (name, key)
-
-
-@pytest.mark.parametrize("fsdp", [True, False])
-def test_early_grad_norm_sums_each_unit_during_the_backward(mesh, fsdp):
-    model = sharded_model(mesh) if fsdp else build("llama3_debug", device="cpu", seed=0,
-                                                   n_layers=3)
-    units = [params for _, params in fsdp_units([model])]
-    assert len(units) == (5 if fsdp else 1)
-    early = EarlyGradNorm(units)
-    tokens = torch.randint(0, model.args.vocab_size, (2, 16), generator=torch.Generator()
-                           .manual_seed(0))
-    model(tokens).float().square().mean().backward()  # not armed: an earlier micro-batch
-    assert early.early_share == 0.0
-    early.arm()
-    model(tokens[:, :8]).float().square().mean().backward()  # completes the gradients
-    assert early.early_share == 1.0  # every unit's squares were summed inside the backward
-    want = grad_norm([p.grad for p in model.parameters()])
-    assert early.norm() == pytest.approx(want.item(), rel=1e-6)
-    assert not early.armed
-    # A parameter whose hook did not run (here: its gradient set by hand) is summed by norm().
-    early.arm()
-    first = next(model.parameters())
-    first.grad = first.grad * 3
-    assert early.early_share == 0.0
-    want = grad_norm([p.grad for p in model.parameters()])
-    assert early.norm() == pytest.approx(want.item(), rel=1e-6)
-    early.remove()

@@ -71,6 +71,17 @@ def only(optimizer: torch.optim.Optimizer, groups: list[list[nn.Parameter]]) -> 
             group["params"] = kept
 
 
+def compute_stream(device: torch.device) -> torch.cuda.Stream:
+    """A stream for the forward and backward of higher priority than ``OverlappedStep``'s (the
+    lowest): where kernels of both wait for the SMs, the GPU starts the compute stream's first.
+    In the profile its GEMMs otherwise waited behind update kernels, ~0.17 ms a time, about 100
+    times a step. FSDP's communication streams have the same priority. The new stream waits
+    for the work already on the device's current stream."""
+    stream = torch.cuda.Stream(device, priority=-1)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    return stream
+
+
 class OverlappedStep:
     """``step()`` in place of ``optimizer.step()``: each FSDP unit's update on a side stream,
     each unit's next all-gather waiting for its own update (see the module docstring).
@@ -89,7 +100,7 @@ class OverlappedStep:
             raise ValueError("OverlappedStep: some parameters are outside every FSDP unit")
         # Each unit's share of the parameter groups, narrowed once rather than every step.
         self.groups = [unit_groups(optimizer, params) for _, params in self.units]
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.stream = torch.cuda.Stream(device, priority=0) if device.type == "cuda" else None
         self.pending: dict[int, torch.cuda.Event] = {}
         if self.stream is not None:
             for part in parts:
