@@ -80,9 +80,16 @@ class ParallelConfig:
     """Pipeline-parallel degree."""
     ep: int = 1
     """Expert-parallel degree, borrowed from dp_shard x cp."""
-    fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
+    fsdp_reshard_after_forward: Literal["auto", "default", "always", "never"] = "auto"
     """Free gathered weights after forward: always, never (more memory, less communication),
-    or default (every block but the last, whose weights backward needs first)."""
+    default (every block but the last, whose weights backward needs first), or auto: default,
+    then from the third step on CUDA the last blocks keep their gathered weights from forward to
+    backward (no all-gather for their backward) as far as ``fsdp_auto_memory_fraction`` of the
+    device's memory allows, measured on the second step."""
+    fsdp_auto_memory_fraction: float = 0.75
+    """With fsdp_reshard_after_forward = "auto": the share of the device's memory the allocated
+    peak may reach with the blocks kept gathered (the allocator reserves more than it
+    allocates: past about 0.8 it starts to release and retry, which stalls steps)."""
     fsdp_reduce_dtype: Literal["fp32", "bf16"] = "fp32"
     """Dtype of the gradient reduce-scatter under bf16 mixed precision."""
     fsdp_cpu_offload: bool = False
@@ -322,6 +329,7 @@ _RANGES: dict[tuple[str, str], tuple[typing.Callable[[Any], bool], str]] = {
     ("parallel", "pp"): (lambda v: v >= 1, "an integer >= 1"),
     ("parallel", "ep"): (lambda v: v >= 1, "an integer >= 1"),
     ("parallel", "pp_virtual_stages"): (lambda v: v >= 1, "an integer >= 1"),
+    ("parallel", "fsdp_auto_memory_fraction"): (lambda v: 0 < v <= 1, "a number in (0, 1]"),
     ("training", "steps"): (lambda v: v >= 1, "an integer >= 1"),
     ("training", "seq_len"): (lambda v: v >= 2, "an integer >= 2"),
     ("training", "global_batch_size"): (lambda v: v >= 0, "an integer >= 0"),

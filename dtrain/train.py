@@ -64,6 +64,7 @@ from dtrain.parallel.fp8 import (
     fuse_fp8_weight_cast,
     precompute_fp8_scales,
 )
+from dtrain.parallel.fsdp import keep_gathered
 from dtrain.parallel.overlap import OverlappedStep, compute_stream
 from dtrain.parallel.pipeline import (
     Pipeline,
@@ -301,6 +302,11 @@ class Trainer:
                 else None
             self.overlapped_step = OverlappedStep(self.optimizer, self.model_parts, self.device,
                                                   after_unit=scales)
+        # parallel.fsdp_reshard_after_forward = "auto": fitted to the memory after two steps.
+        self._auto_reshard = (cfg.parallel.fsdp_reshard_after_forward == "auto"
+                              and self.device.type == "cuda" and self.mesh is not None
+                              and self.dims.fsdp_enabled and self.pipeline is None
+                              and not cfg.parallel.fsdp_cpu_offload)
         self.step = 0
         self.checkpointer = None
         if cfg.checkpoint.enabled:
@@ -505,6 +511,8 @@ class Trainer:
             loss_sum, grad_norm, wait = self._run_step()
             self.step += 1
             collect(self.step)
+            if self._auto_reshard and self.step - first_step == 2:
+                self._fit_resharding()
             interval_steps += 1
             data_wait += wait
             ckpt = self.config.checkpoint
@@ -556,6 +564,25 @@ class Trainer:
             self.history.append({"step": self.step, **record})
             self.metrics.log(self.step, tcfg.steps, record)
             interval_start, interval_steps, data_wait = time.perf_counter(), 0, 0.0
+
+    def _fit_resharding(self) -> None:
+        """The ``auto`` reshard policy, once the second step has shown the steady peak (the
+        first has no optimizer state yet): the last blocks keep their gathered weights from
+        forward to backward while the peak stays within ``fsdp_auto_memory_fraction`` of the
+        device's memory (``keep_gathered``). The ranks take the smallest headroom among them,
+        so that all skip the same all-gathers."""
+        self._auto_reshard = False
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        peak = torch.cuda.max_memory_allocated(self.device)
+        budget = self.config.parallel.fsdp_auto_memory_fraction * total
+        headroom = torch.tensor(budget - peak, dtype=torch.float64, device=self.device)
+        dist.all_reduce(headroom, op=dist.ReduceOp.MIN)
+        added = max(int(headroom.item()), 0)
+        kept = keep_gathered(self.model, added, self.compute_dtype)
+        if self.rank == 0:
+            print(f"fsdp auto: {kept} of {self.model.args.n_layers - 1} blocks keep their "
+                  f"gathered weights from forward to backward (peak {peak / 2**30:.1f} GiB, "
+                  f"budget {budget / 2**30:.1f} GiB)", flush=True)
 
     def close(self) -> None:
         """Leaves the process group (for notebooks that build several trainers)."""

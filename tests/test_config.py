@@ -102,6 +102,7 @@ def test_invalid_choice_lists_choices():
     ("optimizer.lr=-1", "a number > 0"),
     ("optimizer.betas=[0.9]", "two numbers in"),
     ("lr_schedule.wsd_decay_fraction=1.5", r"a number in \[0, 1\]"),
+    ("parallel.fsdp_auto_memory_fraction=0", r"a number in \(0, 1\]"),
 ])
 def test_out_of_range(override, allowed):
     key = override.split("=")[0]

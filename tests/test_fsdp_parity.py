@@ -12,13 +12,16 @@ from dtrain.parallel.dims import ParallelDims
 AC_MODES = ["none", "full", "layer", "op"]
 
 
-def run_layouts(tmp_path, nproc: int, layouts: list[dict]) -> list[dict]:
-    """Every layout with every checkpointing mode, in one launch."""
+def run_layouts(tmp_path, nproc: int, layouts: list[dict],
+                extra: list[dict] = ()) -> list[dict]:
+    """Every layout with every checkpointing mode, then the ``extra`` runs, in one launch."""
     return run_distributed(tmp_path, nproc, [
         {**BASE, **parallel, "activation_checkpoint.mode": mode,
          "activation_checkpoint.every_n_layers": 2, "job.name": f"{i}-{mode}",
          "job.output_dir": str(tmp_path)}
-        for i, parallel in enumerate(layouts) for mode in AC_MODES])
+        for i, parallel in enumerate(layouts) for mode in AC_MODES] + [
+        {**BASE, **overrides, "job.name": f"extra-{i}", "job.output_dir": str(tmp_path)}
+        for i, overrides in enumerate(extra)])
 
 
 # Global batch 8 of micro-batches of 1: the 2-rank layout accumulates 4 micro-batches, the 4-rank
@@ -28,8 +31,13 @@ def run_layouts(tmp_path, nproc: int, layouts: list[dict]) -> list[dict]:
     (4, [{"parallel.dp_shard": 4}, {"parallel.dp_replicate": 2, "parallel.dp_shard": 2}]),
 ], ids=["fsdp2", "fsdp4-hsdp2x2"])
 def test_layout_matches_single_process(tmp_path, reference, nproc, layouts):
-    runs = run_layouts(tmp_path, nproc, layouts)
-    assert [r["overrides"]["activation_checkpoint.mode"] for r in runs] == AC_MODES * len(layouts)
+    # Weights kept gathered from forward to backward in every block (the auto policy's end
+    # state on a roomy GPU).
+    extra = [{"parallel.dp_shard": nproc, "parallel.fsdp_reshard_after_forward": "never",
+              "activation_checkpoint.mode": "op"}]
+    runs = run_layouts(tmp_path, nproc, layouts, extra)
+    assert [r["overrides"]["activation_checkpoint.mode"] for r in runs] == \
+        AC_MODES * len(layouts) + ["op"]
     for run in runs:
         label = {k: v for k, v in run["overrides"].items() if k.startswith(("parallel", "act"))}
         assert_same_run(run, reference, str(label))

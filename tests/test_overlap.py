@@ -1,6 +1,7 @@
 """The optimizer step taken one FSDP unit at a time (dtrain.parallel.overlap) gives the same
 weights and optimizer state as the whole step, bit for bit; its units cover every parameter once,
-in forward order. The side stream itself is CUDA-only (checked on the GPU: docs/benchmarks.md)."""
+in forward order. The side stream itself is CUDA-only (checked on the GPU: docs/benchmarks.md).
+The ``auto`` reshard policy keeps the last blocks gathered as far as the headroom allows."""
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from dtrain.config import OptimizerConfig
 from dtrain.models import build
 from dtrain.optim import build_optimizer, clip_grad_norm_
-from dtrain.parallel.fsdp import apply_fsdp
+from dtrain.parallel.fsdp import apply_fsdp, keep_gathered
 from dtrain.parallel.overlap import OverlappedStep, fsdp_units, only, unit_groups
 
 
@@ -78,3 +79,20 @@ def test_unit_by_unit_step_equals_the_whole_step(mesh, impl):
             got = got.full_tensor() if hasattr(got, "full_tensor") else got
             want = want.full_tensor() if hasattr(want, "full_tensor") else want
             assert torch.equal(got, want), (name, key)
+
+
+def test_keep_gathered_fills_the_headroom_from_the_last_block_back(mesh):
+    model = sharded_model(mesh)  # 3 blocks: the last keeps its weights gathered already
+    block_bytes = sum(p.numel() for p in model.layers["0"].parameters()) * 2  # in bf16
+
+    def resharding() -> list[bool]:
+        return [block._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info is not None
+                for block in model.layers.values()]
+
+    assert resharding() == [True, True, False]
+    assert keep_gathered(model, block_bytes - 1, torch.bfloat16) == 0
+    assert resharding() == [True, True, False]
+    assert keep_gathered(model, 2 * block_bytes - 1, torch.bfloat16) == 1
+    assert resharding() == [True, False, False]
+    assert keep_gathered(model, 10 * block_bytes, torch.bfloat16) == 2
+    assert resharding() == [False, False, False]

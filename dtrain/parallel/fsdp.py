@@ -31,7 +31,8 @@ def apply_fsdp(model: Transformer, mesh: DeviceMesh, param_dtype: torch.dtype,
     blocks = list(model.layers.values())
     for i, block in enumerate(blocks):
         last = i == len(blocks) - 1
-        reshard = {"always": True, "never": False, "default": not last}[reshard_after_forward]
+        reshard = {"always": True, "never": False, "default": not last,
+                   "auto": not last}[reshard_after_forward]
         for moe in [m for m in block.modules() if isinstance(m, MoE)]:
             _shard_moe(moe, expert_mesh, router_mesh, mesh.size(), reshard, common)
         fully_shard(block, reshard_after_forward=reshard, **common)
@@ -43,6 +44,23 @@ def apply_fsdp(model: Transformer, mesh: DeviceMesh, param_dtype: torch.dtype,
         if tail:
             fully_shard(tail, reshard_after_forward=reshard_after_forward == "always", **common)
     fully_shard(model, reshard_after_forward=reshard_after_forward == "always", **common)
+
+
+def keep_gathered(model: Transformer, headroom_bytes: int, param_dtype: torch.dtype) -> int:
+    """The ``auto`` reshard policy's second half: from the last block back, blocks whose gathered
+    weights fit in ``headroom_bytes`` keep them from forward to backward (their backward needs
+    no all-gather). Every block's gathered weights are held at the peak, at the end of the
+    forward, so the cost is each block's size in ``param_dtype``. The last block keeps them
+    already. Returns the number of blocks changed; ranks must pass the same headroom."""
+    changed = 0
+    for block in list(model.layers.values())[-2::-1]:
+        size = sum(p.numel() for p in block.parameters()) * param_dtype.itemsize
+        if size > headroom_bytes:
+            break
+        block.set_reshard_after_forward(False)
+        headroom_bytes -= size
+        changed += 1
+    return changed
 
 
 def _shard_moe(moe: MoE, expert_mesh: DeviceMesh | None, router_mesh: DeviceMesh | None,
