@@ -5,9 +5,11 @@ first unit's weights to start. ``OverlappedStep`` runs the step unit by unit in 
 side stream and records an event after each unit; each unit's next all-gather waits for its own
 event only. The updates of the later units then run while the first ones compute, instead of
 the whole step (about 35 ms for Llama 3 8B over 2 H200) holding the device between steps.
-Measured: +0.4% tokens/s in bf16 and about +2% in FP8, whose step is shorter and whose forward is
-host-bound (docs/benchmarks.md); the bandwidth-bound update seems to share the SMs with the
-forward's GEMMs more than it hides behind them.
+Measured: +0.3-0.6% tokens/s in bf16 and about +2% in FP8, whose step is shorter and whose
+forward is host-bound (docs/benchmarks.md). The profile shows why the bf16 gain is small: the
+bandwidth-bound update shares the SMs with the forward's GEMMs, which run 15-35% slower beside
+it, nearly as much time as the update takes alone. ``compute_stream`` gives the forward and
+backward the higher priority, so at least their kernels no longer wait behind update kernels.
 
 The arithmetic is the optimizer's own, unchanged: each unit's parameters are stepped by
 ``optimizer.step()`` over that unit alone, so every parameter gets exactly one update from the
