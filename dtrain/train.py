@@ -220,12 +220,15 @@ class Trainer:
         self.device, self.rank, self.world_size = init_distributed(cfg.training.device,
                                                                    cpu_collectives=async_save)
         self.dims = ParallelDims.from_config(cfg.parallel, self.world_size)
+        # FSDP units on the GPU, without pipeline stages or offload: where the overlapped step
+        # and the auto reshard policy apply.
+        fsdp_units_on_gpu = (self.device.type == "cuda" and self.world_size > 1
+                             and self.dims.fsdp_enabled and self.dims.pp == 1
+                             and not cfg.parallel.fsdp_cpu_offload)
         # Each FSDP unit's update overlaps the next forward (dtrain.parallel.overlap). The
         # forward and backward then run on a stream of higher priority than the updates', so
         # that the GPU's block scheduler starts their kernels first.
-        overlap = (cfg.optimizer.overlap_step and self.device.type == "cuda"
-                   and self.world_size > 1 and self.dims.fsdp_enabled and self.dims.pp == 1
-                   and not cfg.parallel.fsdp_cpu_offload)
+        overlap = cfg.optimizer.overlap_step and fsdp_units_on_gpu
         if overlap:
             torch.cuda.set_stream(compute_stream(self.device))
         self.mesh = self.dims.build_mesh(self.device.type) if self.world_size > 1 else None
@@ -304,9 +307,7 @@ class Trainer:
                                                   after_unit=scales)
         # parallel.fsdp_reshard_after_forward = "auto": fitted to the memory after two steps.
         self._auto_reshard = (cfg.parallel.fsdp_reshard_after_forward == "auto"
-                              and self.device.type == "cuda" and self.mesh is not None
-                              and self.dims.fsdp_enabled and self.pipeline is None
-                              and not cfg.parallel.fsdp_cpu_offload)
+                              and fsdp_units_on_gpu)
         self.step = 0
         self.checkpointer = None
         if cfg.checkpoint.enabled:
@@ -577,8 +578,7 @@ class Trainer:
         budget = self.config.parallel.fsdp_auto_memory_fraction * total
         headroom = torch.tensor(budget - peak, dtype=torch.float64, device=self.device)
         dist.all_reduce(headroom, op=dist.ReduceOp.MIN)
-        added = max(int(headroom.item()), 0)
-        kept = keep_gathered(self.model, added, self.compute_dtype)
+        kept = keep_gathered(self.model, max(int(headroom.item()), 0), self.compute_dtype)
         if self.rank == 0:
             print(f"fsdp auto: {kept} of {self.model.args.n_layers - 1} blocks keep their "
                   f"gathered weights from forward to backward (peak {peak / 2**30:.1f} GiB, "

@@ -66,4 +66,3 @@ def test_allocator_retries_are_shown_only_when_they_happen():
     assert "3 allocator retries" in line and "expandable_segments:True" in line
     assert line.endswith("50% ETA 0:01:05")
     assert alloc_retries(torch.device("cpu")) is None
-
