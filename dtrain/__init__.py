@@ -14,7 +14,7 @@ def __getattr__(name: str):
     # Imported on first use so that `python -m dtrain.train` and `import dtrain.config` do not
     # load the trainer (and torch.distributed) up front.
     if name == "Trainer":
-        from dtrain.train import Trainer
+        from dtrain.trainer import Trainer
 
         return Trainer
     raise AttributeError(f"module 'dtrain' has no attribute {name!r}")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import time
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from dtrain.config import CheckpointConfig, ConfigError
+from dtrain.hooks import StepHook
+from dtrain.log import logger
 
 _STEP = re.compile(r"^step-(\d+)$")
 
@@ -57,27 +60,45 @@ def checkpoint_steps(folder: Path) -> list[int]:
     return sorted(int(m.group(1)) for p in folder.iterdir() if (m := _STEP.match(p.name)))
 
 
-class Checkpointer:
-    """Saves every ``cfg.interval`` steps and at the last step, keeps the last ``keep_last``,
-    and resumes from the latest (or ``cfg.load_step``) at start-up."""
+def needs_cpu_collectives(cfg: CheckpointConfig) -> bool:
+    """Whether the run's process group needs a CPU backend beside NCCL: asynchronous saves
+    coordinate the ranks over CPU tensors."""
+    return cfg.enabled and cfg.async_save
+
+
+class Checkpointer(StepHook):
+    """Saves every ``cfg.interval`` steps and at the last of ``total_steps`` (``should_save``),
+    keeps the last ``keep_last``, and resumes from the latest (or ``cfg.load_step``) at start-up.
+    As a step hook it holds the weights' update until an asynchronous save has copied them.
+    The loader's state is saved under its ``state_key`` ("global", or "dp<rank>" for a
+    rank-local stream)."""
 
     def __init__(self, cfg: CheckpointConfig, run_dir: Path, parts: list[nn.Module],
-                 optimizer: torch.optim.Optimizer, scheduler, loader, data_key: str):
-        self.cfg = cfg
+                 optimizer: torch.optim.Optimizer, scheduler, loader, total_steps: int):
+        self.cfg, self.total_steps = cfg, total_steps
         self.folder = Path(cfg.folder) if Path(cfg.folder).is_absolute() else run_dir / cfg.folder
         self.model = whole_model_view(parts)
         self.optimizer, self.scheduler, self.loader = optimizer, scheduler, loader
-        self.data_key = data_key  # "global", or "dp<rank>" for rank-local loader states
+        self.data_key = loader.state_key
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self._pending: tuple[Future, Path] | None = None
         self._staging: Future | None = None
         self._stager = None
-        if cfg.async_save and torch.cuda.is_available():
-            # Copies to pinned host buffers (kept for the next save) on a background thread:
-            # the training pauses only if it reaches the optimizer step before the copy ends.
+
+    def should_save(self, step: int) -> bool:
+        return step % self.cfg.interval == 0 or step == self.total_steps
+
+    def before_update(self) -> None:
+        self.wait_staged()  # an async save may still be copying the weights
+
+    def _async_stager(self):
+        """Copies to pinned host buffers (kept for the next save) on a background thread: the
+        training pauses only if it reaches the optimizer step before the copy ends."""
+        if self._stager is None and torch.cuda.is_available():
             self._stager = DefaultStager(StagingOptions(
                 use_pinned_memory=True, use_shared_memory=False, use_async_staging=True,
                 use_non_blocking_copy=True))
+        return self._stager
 
     def _state(self, step: int) -> dict[str, Any]:
         return {
@@ -91,7 +112,13 @@ class Checkpointer:
     def save(self, step: int) -> None:
         """Writes the checkpoint of ``step`` (asynchronously with ``cfg.async_save``: the
         training continues while the files are written; the rename happens at the next save or
-        at ``close``)."""
+        at ``close``) and logs how long the training paused for it."""
+        start = time.perf_counter()
+        self._save(step)
+        logger.info(f"checkpoint step {step}: training paused {time.perf_counter() - start:.2f}s"
+                    + (" (written in the background)" if self.cfg.async_save else ""))
+
+    def _save(self, step: int) -> None:
         self.wait()
         tmp = self.folder / f"step-{step:07d}.tmp"
         if self.rank == 0:
@@ -99,7 +126,8 @@ class Checkpointer:
         _barrier()
         state = self._state(step)
         if self.cfg.async_save:
-            result = dcp.async_save(state, checkpoint_id=str(tmp), async_stager=self._stager)
+            result = dcp.async_save(state, checkpoint_id=str(tmp),
+                                    async_stager=self._async_stager())
             if isinstance(result, AsyncSaveResponse):
                 self._staging, result = result.staging_completion, result.upload_completion
             self._pending = (result, tmp)
@@ -124,7 +152,8 @@ class Checkpointer:
             self._finish(tmp)
 
     def close(self) -> None:
-        """Completes a save in flight and frees the pinned staging buffers."""
+        """Completes a save in flight and frees the pinned staging buffers (a later save makes
+        new ones)."""
         self.wait()
         if self._stager is not None:
             self._stager.close()
@@ -146,6 +175,13 @@ class Checkpointer:
         """Restores the latest checkpoint (or ``cfg.load_step``); returns its step, or 0 when
         there is none. A damaged or mismatched checkpoint raises ConfigError, loading nothing
         into the model and optimizer."""
+        start = time.perf_counter()
+        step = self._load()
+        if step:
+            logger.info(f"checkpoint step {step} loaded in {time.perf_counter() - start:.2f}s")
+        return step
+
+    def _load(self) -> int:
         steps = checkpoint_steps(self.folder)
         if self.cfg.load_step:
             if self.cfg.load_step not in steps:

@@ -8,6 +8,7 @@ also for FP8 runs.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import resource
@@ -18,6 +19,7 @@ from pathlib import Path
 import torch
 
 from dtrain.config import MetricsConfig
+from dtrain.log import logger
 from dtrain.models.llama import Transformer
 
 # Dense bf16 peak TFLOP/s by device-name fragment, most specific first.
@@ -90,24 +92,28 @@ def format_eta(seconds: float) -> str:
 
 class MetricsLogger:
     """Writes one record per logged step to the console, TensorBoard (``<run>/tb``) and
-    ``<run>/metrics.jsonl``. Only the rank given ``enabled=True`` writes."""
+    ``<run>/metrics.jsonl``. Only the rank given ``enabled=True`` writes. The files open at the
+    first record and again after ``close`` (a notebook's second ``train()``)."""
 
     def __init__(self, cfg: MetricsConfig, run_dir: Path, enabled: bool):
-        self.enabled = enabled
+        self.cfg, self.run_dir, self.enabled = cfg, run_dir, enabled
         self._writer = None
         self._jsonl = None
-        if not enabled:
+
+    def _open(self) -> None:
+        if self._jsonl is not None:
             return
-        run_dir.mkdir(parents=True, exist_ok=True)
-        self._jsonl = open(run_dir / "metrics.jsonl", "a")
-        if cfg.tensorboard:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._jsonl = open(self.run_dir / "metrics.jsonl", "a")
+        if self.cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._writer = SummaryWriter(log_dir=str(run_dir / "tb"))
+            self._writer = SummaryWriter(log_dir=str(self.run_dir / "tb"))
 
     def log(self, step: int, total_steps: int, record: dict[str, float]) -> None:
         if not self.enabled:
             return
+        self._open()
         record = {"step": step, **record, "time": time.time()}
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()
@@ -119,12 +125,13 @@ class MetricsLogger:
                 elif key not in ("step", "time"):
                     self._writer.add_scalar(key, value, step)
             self._writer.flush()
-        print(self.format_line(step, total_steps, record), flush=True)
+        logger.info(self.format_line(step, total_steps, record))
 
     def log_validation(self, step: int, loss: float) -> None:
         """Validation loss and perplexity: console, TensorBoard (val/...) and metrics.jsonl."""
         if not self.enabled:
             return
+        self._open()
         perplexity = math.exp(min(loss, 50.0))
         self._jsonl.write(json.dumps({"step": step, "val_loss": loss,
                                       "val_perplexity": perplexity, "time": time.time()}) + "\n")
@@ -133,8 +140,7 @@ class MetricsLogger:
             self._writer.add_scalar("val/loss", loss, step)
             self._writer.add_scalar("val/perplexity", perplexity, step)
             self._writer.flush()
-        print(f"validation step {step} | loss {loss:.4f} | perplexity {perplexity:.2f}",
-              flush=True)
+        logger.info(f"validation step {step} | loss {loss:.4f} | perplexity {perplexity:.2f}")
 
     @staticmethod
     def format_line(step: int, total_steps: int, r: dict[str, float]) -> str:
@@ -161,3 +167,75 @@ class MetricsLogger:
             self._writer.close()
         if self._jsonl is not None:
             self._jsonl.close()
+        self._writer = self._jsonl = None
+
+
+class StepMetrics:
+    """The figures of each logged step, timed by this object: tokens/s per device, TFLOP/s, MFU,
+    step time (checkpoint saves and evaluations excluded: ``paused``), the share of time spent
+    waiting for data, peak memory, allocator retries and the ETA. Logs every
+    ``cfg.log_every`` steps and at the last step of a ``train()`` call through ``logger``;
+    ``mean_loss`` turns a step's summed loss into the global mean (the one synchronisation of
+    the ranks and the device a logged step makes)."""
+
+    def __init__(self, cfg: MetricsConfig, logger_: MetricsLogger, device: torch.device,
+                 tokens_per_step: int, world_size: int, flops_per_token: int, total_steps: int,
+                 mean_loss):
+        self.cfg, self.logger, self.device = cfg, logger_, device
+        self.tokens_per_step, self.world_size = tokens_per_step, world_size
+        self.flops_per_token, self.total_steps = flops_per_token, total_steps
+        self.mean_loss = mean_loss
+        self.peak_tflops = peak_tflops(device, cfg.peak_tflops)
+
+    def start(self, step: int, last: int) -> None:
+        """A ``train()`` call begins after ``step`` and ends after ``last``."""
+        self.first_step, self.last = step, last
+        self.run_start = self.interval_start = time.perf_counter()
+        self.interval_steps, self.data_wait = 0, 0.0
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.retries = alloc_retries(self.device) or 0
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Time inside the block is not step time."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.interval_start += time.perf_counter() - start
+
+    def step_done(self, step: int, data_wait: float) -> bool:
+        """Counts a finished step; whether it is logged."""
+        self.interval_steps += 1
+        self.data_wait += data_wait
+        return step % self.cfg.log_every == 0 or step == self.last
+
+    def log(self, step: int, result, extra: dict) -> dict:
+        """The record of ``step`` (a ``dtrain.step.StepResult``; ``extra`` from the step hooks),
+        logged and returned; the next interval starts."""
+        loss, norm = self.mean_loss(result.loss_sum).item(), result.grad_norm.item()
+        now = time.perf_counter()
+        step_time = (now - self.interval_start) / self.interval_steps
+        tps = self.tokens_per_step / step_time / self.world_size
+        record = {
+            "loss": loss, "grad_norm": norm, "lr": result.lr,
+            "tokens_per_second_per_device": tps,
+            "tflops_per_device": tps * self.flops_per_token / 1e12,
+            "step_time_s": step_time,
+            "data_wait_percent": 100 * self.data_wait / (now - self.interval_start),
+            "peak_memory_gib": peak_memory_gib(self.device),
+            "eta_s": (now - self.run_start) / (step - self.first_step)
+            * (self.total_steps - step),
+        }
+        if (reserved := peak_reserved_gib(self.device)) is not None:
+            record["peak_reserved_gib"] = reserved
+        if (retries := alloc_retries(self.device)) is not None:
+            record["alloc_retries"] = retries - self.retries  # in this interval
+            self.retries = retries
+        if self.peak_tflops:
+            record["mfu_percent"] = 100 * mfu(tps, self.flops_per_token, self.peak_tflops)
+        record.update(extra)
+        self.logger.log(step, self.total_steps, record)
+        self.interval_start, self.interval_steps, self.data_wait = time.perf_counter(), 0, 0.0
+        return {"step": step, **record}

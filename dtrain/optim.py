@@ -104,8 +104,8 @@ def clip_grad_norm_(parameters: list[nn.Parameter], max_norm: float, pp_group=No
 
     Given a fused AdamW ``optimizer``, the gradients are not rewritten: the optimizer's next
     step divides each gradient by ``optimizer.grad_scale`` as it reads it (the hook torch's
-    fused kernels keep for loss scaling), which saves one pass over all gradients (about 9 ms a
-    step for Llama 3 8B over 2 GPUs). The clipped update is the same to rounding."""
+    fused kernels keep for loss scaling), which saves one pass over all gradients. The clipped
+    update is the same to rounding."""
     grads = [p.grad for p in parameters if p.grad is not None]
     norm = grad_norm(grads, pp_group)
     if optimizer is not None and folds_clipping(optimizer):
@@ -127,3 +127,17 @@ def folds_clipping(optimizer: torch.optim.Optimizer) -> bool:
     AdamW read ``optimizer.grad_scale``; the other implementations refuse it)."""
     return isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW) and \
         all(group.get("fused") for group in optimizer.param_groups)
+
+
+class WholeStep:
+    """The weight update as one ``optimizer.step()``; ``wait()`` has nothing to wait for (the
+    interface of ``dtrain.parallel.overlap.OverlappedStep``)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.optimizer = optimizer
+
+    def step(self) -> None:
+        self.optimizer.step()
+
+    def wait(self) -> None:
+        pass

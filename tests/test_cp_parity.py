@@ -13,7 +13,7 @@ from conftest import BASE, REL, ROOT, assert_same_run, run_distributed
 
 from dtrain import Trainer, load_config
 from dtrain.config import ConfigError
-from dtrain.models import build
+from dtrain.models import model_args
 from dtrain.parallel.context import COMM_TYPES, check_cp, load_balanced_positions
 
 # Sequences long enough for 2 x 4 chunks of 32 tokens; max_norm 0.5 so clipping acts every step
@@ -100,11 +100,11 @@ def test_load_balanced_chunks_cover_the_sequence_once():
 ])
 def test_impossible_context_parallel_layouts(cp, tp, seq_len, comm_type, message):
     with pytest.raises(ConfigError, match=message):
-        check_cp(build("llama3_debug", device="meta"), cp, tp, seq_len, comm_type)
+        check_cp(model_args("llama3_debug"), cp, tp, seq_len, comm_type)
 
 
 def test_a2a_with_dividing_heads_and_p2p_with_any_heads_are_accepted():
-    model = build("llama3_debug", device="meta")  # 8 heads, 4 KV heads
+    model = model_args("llama3_debug")  # 8 heads, 4 KV heads
     check_cp(model, 2, 2, 256, "a2a")
     check_cp(model, 3, 1, 258, "p2p")
 

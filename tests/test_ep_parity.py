@@ -4,11 +4,12 @@ EP 2, EP 4, EP 2 x FSDP 2 (with activation checkpointing), PP 2 x EP 2 and EP 2 
 with a sigmoid router and capacity-factor dropping."""
 
 import pytest
+import torch
 from conftest import MOE, REL, assert_same_run, run_distributed
 
 from dtrain import Trainer, load_config
 from dtrain.config import ConfigError, ParallelConfig
-from dtrain.models import build
+from dtrain.models import model_args
 from dtrain.parallel.dims import ParallelDims
 from dtrain.parallel.expert import check_ep
 
@@ -59,9 +60,9 @@ def test_expert_parallel_layouts_over_four_ranks(tmp_path, moe_reference):
 
 def test_expert_parallel_needs_an_moe_model_whose_experts_divide():
     with pytest.raises(ConfigError, match="parallel.ep = 2 needs a mixture-of-experts model"):
-        check_ep(build("llama3_debug", device="meta"), 2)
+        check_ep(model_args("llama3_debug"), 2)
     with pytest.raises(ConfigError, match="parallel.ep = 3 does not divide the model's 8 experts"):
-        check_ep(build("mixtral_debug", device="meta"), 3)
+        check_ep(model_args("mixtral_debug"), 3)
 
 
 def test_expert_parallel_takes_whole_context_parallel_groups():
@@ -72,10 +73,9 @@ def test_expert_parallel_takes_whole_context_parallel_groups():
 
 
 def test_selective_checkpointing_is_refused_with_expert_parallel(tmp_path):
-    # The check runs before any process group or mesh is needed for the model.
-    from dtrain.train import build_model
+    # The check runs before any process group or mesh exists (dtrain.validate).
+    from dtrain.validate import validate
 
     cfg = load_config("debug", {**MOE, "parallel.ep": 2, "activation_checkpoint.mode": "op"})
-    dims = ParallelDims.from_config(cfg.parallel, 2)
     with pytest.raises(ConfigError, match="mode = 'op' is not available with parallel.ep > 1"):
-        build_model(cfg, dims, None, "cpu", 4096, 8)
+        validate(cfg, 2, torch.device("cpu"))

@@ -181,28 +181,31 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_fused_weight_cast_gives_torchao_s_fp8_bits(monkeypatch, device):
+def test_fused_weight_cast_gives_torchao_s_fp8_bits(device):
     # The fused pre-all-gather cast must give the bytes torchao's three-kernel cast gives,
     # including values beyond the format's range (saturated), and leave the path without a
-    # precomputed scale to torchao. monkeypatch restores torchao's method afterwards.
+    # precomputed scale to torchao. It is set on the weights it is given alone: torchao's class
+    # keeps its method.
     from torchao.float8.float8_linear import LinearMMConfig
 
-    from dtrain.parallel.fp8 import fuse_fp8_weight_cast
+    from dtrain.parallel.fp8 import fuse_weight_cast
 
     original = WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather
-    monkeypatch.setattr(WeightWithDynamicFloat8CastTensor, "fsdp_pre_all_gather", original)
     shard = torch.randn(1024, 4096, generator=torch.Generator().manual_seed(0))
     shard[0, :4] = torch.tensor([1e4, -1e4, 3.0e-9, 0.0])
     shard = shard.to(device)
     scale = torch.tensor(448.0, device=device) / shard.abs().max() * 3  # largest values past 448
     weight = WeightWithDynamicFloat8CastTensor(shard, LinearMMConfig(), torch.float8_e4m3fn, scale)
+    other = WeightWithDynamicFloat8CastTensor(shard, LinearMMConfig(), torch.float8_e4m3fn, scale)
     (expected,), (expected_scale,) = original(weight, None)
 
-    fuse_fp8_weight_cast()
-    fuse_fp8_weight_cast()  # a second call changes nothing
-    fused = WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather
-    assert fused is not original and fused.original is original
-    (bits,), (out_scale,) = fused(weight, None)
+    fuse_weight_cast(weight)
+    fused = weight.fsdp_pre_all_gather
+    fuse_weight_cast(weight)  # a second call changes nothing
+    assert weight.fsdp_pre_all_gather == fused
+    assert WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather is original
+    assert other.fsdp_pre_all_gather.__func__ is original  # other tensors keep torchao's cast
+    (bits,), (out_scale,) = weight.fsdp_pre_all_gather(None)
     assert bits.dtype == torch.float8_e4m3fn
     assert torch.equal(bits.view(torch.uint8), expected.view(torch.uint8))
     assert out_scale is scale and torch.equal(expected_scale, scale)
@@ -211,7 +214,8 @@ def test_fused_weight_cast_gives_torchao_s_fp8_bits(monkeypatch, device):
     # Without a precomputed scale, torchao's path computes its own: the same result as before.
     unscaled = WeightWithDynamicFloat8CastTensor(shard, LinearMMConfig(), torch.float8_e4m3fn)
     (own,), (own_scale,) = original(unscaled, None)
-    (passed,), (passed_scale,) = fused(unscaled, None)
+    fuse_weight_cast(unscaled)
+    (passed,), (passed_scale,) = unscaled.fsdp_pre_all_gather(None)
     assert torch.equal(passed.view(torch.uint8), own.view(torch.uint8))
     assert torch.equal(passed_scale, own_scale)
 

@@ -10,6 +10,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from dtrain import load_config
+from dtrain.build import moe_overrides
 from dtrain.metrics import model_flops_per_token
 from dtrain.models import build
 from dtrain.models.moe import (
@@ -20,7 +21,6 @@ from dtrain.models.moe import (
     looped_swiglu,
     router_z_loss,
 )
-from dtrain.train import moe_overrides
 
 
 def moe(**kwargs) -> MoE:

@@ -6,7 +6,7 @@ import pytest
 from conftest import BASE, assert_same_run, run_distributed
 
 from dtrain.config import ConfigError
-from dtrain.models import build
+from dtrain.models import model_args
 from dtrain.parallel.tensor import check_async_tp, check_tp
 
 
@@ -52,7 +52,7 @@ def test_tensor_parallel_trains_in_bf16_without_fsdp(tmp_path, reference):
 ])
 def test_impossible_tensor_parallel_degrees(tp, seq_len, message):
     with pytest.raises(ConfigError, match=message):
-        check_tp(build("llama3_debug", device="meta"), tp, seq_len)
+        check_tp(model_args("llama3_debug"), tp, seq_len)
 
 
 def test_async_tp_needs_cuda_and_compile():

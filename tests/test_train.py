@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dtrain import Trainer, load_config
-from dtrain.train import manual_gc
+from dtrain.trainer import manual_gc
 
 
 def read_metrics(run_dir) -> list[dict]:
@@ -24,8 +24,8 @@ def test_debug_recipe_loss_falls_clearly(tmp_path):
                                 "lr_schedule.warmup_steps": 10, "job.output_dir": str(tmp_path)})
     trainer = Trainer(cfg)
     collector_on = []  # Python's automatic garbage collection during each step
-    step = trainer._run_step
-    trainer._run_step = lambda: (collector_on.append(gc.isenabled()), step())[1]
+    step = trainer.run_step
+    trainer.run_step = lambda: (collector_on.append(gc.isenabled()), step())[1]
     history = trainer.train()
     first, last = history[0]["loss"], history[-1]["loss"]
     assert first > 8.0  # near-uniform predictions at initialisation: ln(4096) = 8.3

@@ -58,7 +58,7 @@ def profile_steps(trainer: Trainer, steps: int) -> None:
     with profile(activities=activities) as prof:
         start = time.perf_counter()
         for _ in range(steps):
-            trainer._run_step()  # as the training loop runs it (updates overlap the next step)
+            trainer.run_step()  # as the training loop runs it (updates overlap the next step)
         sync()
         wall = time.perf_counter() - start
     events = prof.key_averages()

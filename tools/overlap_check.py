@@ -80,11 +80,10 @@ def main() -> None:
         late[0] = True
         # As the training loop runs it: the updates left in flight, the host running ahead
         # (no synchronisation here, which would let every update finish before the next step).
-        trainer._run_step()
+        trainer.run_step()
         if trainer.rank == 0:
             print(f"step {step + 1}: {stale[-1]} of {len(checks)} gathered weights stale",
                   flush=True)
-        trainer.step += 1
     if trainer.rank == 0:
         print(f"OVERLAP_CHECK {'no-wait' if args.no_wait else 'wait'}: "
               f"{sum(stale)} stale weights in {args.steps} steps", flush=True)

@@ -13,15 +13,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from dtrain.config import ConfigError
 from dtrain.data.indexed import GPTSampleDataset, IndexedDataset, split_ranges
-
-if TYPE_CHECKING:
-    from dtrain.data.loader import WindowDataset
+from dtrain.data.window import WindowDataset
 
 SPLITS = ("train", "valid", "test")
 SURPLUS = 0.005
@@ -59,7 +56,7 @@ def blending_indices(weights: Sequence[float], size: int) -> tuple[np.ndarray, n
     """For each of ``size`` samples, which dataset it comes from (int16) and the how-manieth sample
     of that dataset it is (int64), by Megatron's greedy rule (module docstring). ``weights`` must
     sum to 1. Each choice depends on the counts before it, so this is one sequential pass in
-    Python floats (float64, as helpers.cpp), about 0.6 s per million samples of two datasets,
+    Python floats (float64, as helpers.cpp; docs/benchmarks.md has its speed),
     filled into numpy a block at a time to keep memory at the two output arrays."""
     weights = [float(w) for w in weights]
     counts = [0] * len(weights)

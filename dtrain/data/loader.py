@@ -19,7 +19,6 @@ import queue
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Protocol
 
 import numpy as np
 import torch
@@ -27,14 +26,7 @@ import torch
 from dtrain.assets import resolve
 from dtrain.config import ConfigError, DataConfig
 from dtrain.data.tokenizer import Tokenizer
-
-
-class WindowDataset(Protocol):
-    """What the loader needs from a source: a count of windows and each window's tokens."""
-
-    def __len__(self) -> int: ...
-
-    def window(self, index: int) -> np.ndarray: ...
+from dtrain.data.window import WindowDataset
 
 
 class PackedTokens:
@@ -103,7 +95,10 @@ _TOKENIZED: dict[tuple, np.ndarray] = {}
 class DataLoader:
     """Micro-batches ``(inputs, labels)``, each (micro_batch, seq_len) int64, for one
     data-parallel rank. ``state_dict`` holds the global window cursor, so a run resumes where it
-    stopped, also under another data-parallel degree with the same global batch."""
+    stopped, also under another data-parallel degree with the same global batch: every rank's
+    state is the same one (``state_key``)."""
+
+    state_key = "global"
 
     def __init__(self, dataset: WindowDataset, micro_batch: int, dp_rank: int = 0,
                  dp_size: int = 1, seed: int = 0, shuffle: bool = True,
@@ -160,6 +155,7 @@ class Prefetcher:
     def __init__(self, loader: DataLoader | StreamingLoader, depth: int = 2,
                  pin_memory: bool = False):
         self.loader, self.depth, self.pin_memory = loader, depth, pin_memory
+        self.state_key = loader.state_key
         self._state = loader.state_dict()
         self._queue: queue.Queue | None = None
         self._stop = threading.Event()
@@ -217,11 +213,12 @@ class Prefetcher:
 
 class StreamingLoader:
     """Micro-batches from a rank-local window stream (the hf source): same interface as
-    ``DataLoader``; the state is the stream's."""
+    ``DataLoader``; the state is the stream's, one per data-parallel rank (``state_key``)."""
 
-    def __init__(self, stream, micro_batch: int, vocab_size: int | None = None,
+    def __init__(self, stream, micro_batch: int, dp_rank: int = 0, vocab_size: int | None = None,
                  source: str = "the data"):
         self.stream, self.micro_batch = stream, micro_batch
+        self.state_key = f"dp{dp_rank}"
         self.vocab_size, self.source = vocab_size, source
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -248,7 +245,7 @@ def build_loader(cfg: DataConfig, tokenizer: Tokenizer, seq_len: int, micro_batc
         from dtrain.data.hf import HFWindowStream
 
         return StreamingLoader(HFWindowStream(cfg, tokenizer, seq_len, dp_rank, dp_size),
-                               micro_batch, **checks)
+                               micro_batch, dp_rank, **checks)
     if cfg.source == "indexed":
         from dtrain.data.blend import build_gpt_dataset
 

@@ -11,6 +11,9 @@ import math
 import zlib
 
 import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from dtrain.dtensor import local
 
 _M32 = 0xFFFFFFFF
 _CHUNK = 1 << 24  # elements hashed at a time: bounds the int64/float64 temporaries
@@ -52,11 +55,11 @@ def normal_(tensor: torch.Tensor, std: float, seed: int, name: str,
     if cutoff is not None:
         lo, hi = (0.5 * (1 + math.erf(-cutoff / math.sqrt(2))),
                   0.5 * (1 + math.erf(cutoff / math.sqrt(2))))
-    local = _local(tensor)
-    full = torch.empty(tensor.shape, dtype=local.dtype, device=local.device).view(-1)
+    shard = local(tensor)
+    full = torch.empty(tensor.shape, dtype=shard.dtype, device=shard.device).view(-1)
     for start in range(0, full.numel(), _CHUNK):
         count = min(_CHUNK, full.numel() - start)
-        u = lo + (hi - lo) * _uniform(start, count, key, local.device)
+        u = lo + (hi - lo) * _uniform(start, count, key, shard.device)
         z = math.sqrt(2) * torch.erfinv((2 * u - 1).clamp(-1 + 1e-15, 1 - 1e-15))
         full[start:start + count] = (z * std).to(full.dtype)
     return _fill(tensor, full.view(tensor.shape))
@@ -65,22 +68,16 @@ def normal_(tensor: torch.Tensor, std: float, seed: int, name: str,
 def constant_(tensor: torch.Tensor, value: float) -> torch.Tensor:
     """Fills ``tensor`` (plain or DTensor) with ``value``."""
     with torch.no_grad():
-        _local(tensor).fill_(value)
+        local(tensor).fill_(value)
     return tensor
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def _fill(tensor: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     """Copies the part of the full-shape ``full`` that ``tensor`` holds into it."""
     with torch.no_grad():
-        if hasattr(tensor, "device_mesh"):
-            from torch.distributed.tensor import distribute_tensor
-
+        if isinstance(tensor, DTensor):
             # src_data_rank=None: every rank holds ``full`` already, so sharding is a local slice.
             full = distribute_tensor(full, tensor.device_mesh, tensor.placements,
                                      src_data_rank=None).to_local()
-        _local(tensor).copy_(full)
+        local(tensor).copy_(full)
     return tensor

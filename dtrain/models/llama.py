@@ -18,6 +18,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dtrain.models import init
+from dtrain.models.feed_forward import FeedForward
 from dtrain.models.moe import MoE
 
 
@@ -48,6 +49,7 @@ class LlamaArgs:
     moe_aux_loss_coeff: float = 0.0
     moe_z_loss_coeff: float = 0.0
     moe_gemm: str = "auto"  # auto (grouped GEMM where fast), grouped, loop
+    moe_aux_grad_scale: float = 1.0  # aux-loss gradient per forward: 1 / micro-batches per step
 
     @property
     def head_dim(self) -> int:
@@ -182,8 +184,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     Grouped-query K/V go to the kernel as they are (``enable_gqa``): cuDNN and flash read each
     KV head once for its query heads and reduce dK/dV over the group themselves, where an
-    expanded copy costs a copy kernel and four times the K/V reads (cuDNN's forward is about 19%
-    slower on it for Llama 3 8B). The memory-efficient kernel takes no grouped K/V: where it is
+    expanded copy costs a copy kernel and four times the K/V reads (docs/benchmarks.md has cuDNN's
+    forward on each for Llama 3 8B). The memory-efficient kernel takes no grouped K/V: where it is
     the kernel to run, they are expanded."""
     gqa = k.shape[2] != q.shape[2]
     if gqa and not takes_grouped_kv(q.device.type, q.dtype, backends):
@@ -217,19 +219,6 @@ class Attention(nn.Module):
         return self.wo(out.reshape(batch, seq, -1))
 
 
-class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x)."""
-
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
 class TransformerBlock(nn.Module):
     def __init__(self, layer_id: int, args: LlamaArgs):
         super().__init__()
@@ -240,7 +229,7 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(args.dim, args.ffn_dim) if not args.n_experts else MoE(
             args.dim, args.expert_dim, args.n_experts, args.moe_top_k, args.moe_router,
             args.moe_norm_topk, args.moe_shared_hidden, args.moe_capacity_factor,
-            args.moe_aux_loss_coeff, args.moe_z_loss_coeff, args.moe_gemm)
+            args.moe_aux_loss_coeff, args.moe_z_loss_coeff, args.moe_gemm, args.moe_aux_grad_scale)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), rope)
@@ -260,8 +249,8 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self.register_buffer("rope", rope_cache(args.max_seq_len, args.head_dim, args.rope_theta,
                                                 args.rope_scaling), persistent=False)
-        # The positions a forward without ``positions`` uses (None: 0..seq-1). Context parallel
-        # sets them on pipeline stages, which are called with their input alone.
+        # The positions a forward without ``positions`` uses (None: 0..seq-1): context parallel
+        # sets this rank's (``dtrain.parallel.context.apply_cp``).
         self.positions: torch.Tensor | None = None
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -290,6 +279,8 @@ class Transformer(nn.Module):
         device = buffer_device or self.rope.device
         self.rope = rope_cache(args.max_seq_len, args.head_dim, args.rope_theta,
                                args.rope_scaling).to(device)
+        if self.positions is not None:
+            self.positions = self.positions.to(device)
         for name, param in self.named_parameters():
             name = canonical_name(name)
             leaf = name.rsplit(".", 2)[-2] if name.endswith(".weight") else name.rsplit(".")[-1]

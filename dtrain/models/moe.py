@@ -29,13 +29,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """The part of a parameter this process holds (all of it unless expert parallel split it).
-    An isinstance check, which torch.compile traces (it does not trace ``hasattr`` on a DTensor)."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+from dtrain.dtensor import local
+from dtrain.models.feed_forward import FeedForward
 
 
 def grouped_mm_available(x: torch.Tensor) -> bool:
@@ -80,7 +76,7 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim))
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
+        w1, w2, w3 = local(self.w1), local(self.w2), local(self.w3)
         grouped = self.gemm == "grouped" or (self.gemm == "auto" and grouped_mm_available(x))
         return (grouped_swiglu if grouped else looped_swiglu)(x, counts, w1, w2, w3)
 
@@ -159,16 +155,15 @@ class MoE(nn.Module):
 
     def __init__(self, dim: int, hidden: int, n_experts: int, top_k: int, score: str = "softmax",
                  norm_topk: bool = True, shared_hidden: int = 0, capacity_factor: float = 0.0,
-                 aux_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0, gemm: str = "auto"):
+                 aux_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0, gemm: str = "auto",
+                 aux_grad_scale: float = 1.0):
         super().__init__()
-        from dtrain.models.llama import FeedForward
-
         self.n_experts, self.top_k = n_experts, top_k
         self.capacity_factor = capacity_factor
         self.aux_loss_coeff, self.z_loss_coeff = aux_loss_coeff, z_loss_coeff
-        # Gradient of the aux losses per forward; the trainer sets it to 1 / (forwards whose
-        # losses are averaged: micro-batches x sequence shards), as the LM loss is scaled.
-        self.aux_grad_scale = 1.0
+        # Gradient of the aux losses per forward: 1 / the micro-batches whose losses are
+        # averaged, as the LM loss is scaled (divided again by the sequence shards, below).
+        self.aux_grad_scale = aux_grad_scale
         # Set from outside (dtrain.parallel) when a micro-batch's tokens are split over several
         # ranks (sequence parallel): expert counts -> (their sum over those ranks, the number of
         # ranks); the aux loss then uses the summed counts.
@@ -223,7 +218,8 @@ class MoE(nn.Module):
             combined = combined + self.shared_expert(x)
         if torch.is_grad_enabled() and (self.aux_loss_coeff or self.z_loss_coeff):
             loss = self.aux_loss_coeff * aux + self.z_loss_coeff * z
-            combined = AuxLoss.apply(combined, loss, self.aux_grad_scale)
+            # A sequence shard's losses are that share of the micro-batch's.
+            combined = AuxLoss.apply(combined, loss, self.aux_grad_scale / shards)
         return combined.view(shape)
 
     def reset_stats(self) -> None:

@@ -22,14 +22,15 @@ __all__ = ["ParallelDims", "parallelize"]
 def parallelize(model: Transformer, dims: ParallelDims, mesh: DeviceMesh | None,
                 parallel: ParallelConfig, ac: ActivationCheckpointConfig,
                 compile: CompileConfig, param_dtype: torch.dtype,
-                fp8: FP8Config | None = None) -> Transformer:
+                fp8: FP8Config | None = None, seq_len: int = 0) -> Transformer:
     """Applies, in order: tensor/sequence parallel -> expert parallel -> context parallel
     attention -> activation checkpointing -> torch.compile per block -> FSDP2/HSDP (over
     dp_shard x cp; MoE experts over the data ranks outside ep). ``mesh`` is
     None for a single process. ``param_dtype`` is the compute dtype FSDP casts to (without
     FSDP the trainer uses autocast). ``fp8``: the model's linears were converted
-    (``fp8.convert_to_fp8``), so TP takes the float8 styles where they apply. Returns the same
-    module, modified in place."""
+    (``fp8.convert_to_fp8``), so TP takes the float8 styles where they apply. ``seq_len``: the
+    training sequence, which context parallel splits. Returns the same module, modified in
+    place."""
     if dims.tp > 1:
         apply_tp(model, dims.mesh("tp"), parallel.loss_parallel, float8_tensor_parallel(fp8))
         if parallel.async_tp:
@@ -37,7 +38,7 @@ def parallelize(model: Transformer, dims: ParallelDims, mesh: DeviceMesh | None,
     if dims.ep > 1:
         apply_ep(model, dims.mesh("ep"))
     if dims.cp > 1:
-        apply_cp(model, dims.mesh("cp"), parallel.cp_comm_type)
+        apply_cp(model, dims.mesh("cp"), parallel.cp_comm_type, seq_len)
     apply_activation_checkpointing(model, ac)
     if compile.enabled:
         # MoE layers read their expert counts on the host (loop or all-to-all splits).

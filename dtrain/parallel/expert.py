@@ -27,7 +27,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
 
 from dtrain.config import ConfigError
-from dtrain.models.llama import Transformer
+from dtrain.hooks import StepHook
+from dtrain.models.llama import LlamaArgs, Transformer
 from dtrain.models.moe import GroupedExperts, MoE
 
 
@@ -50,9 +51,10 @@ class AllToAll(torch.autograd.Function):
         return back, None, None, None
 
 
-def check_ep(model: Transformer, ep: int) -> None:
-    """Raises ConfigError when the model has no experts to split or they do not divide."""
-    n_experts = model.args.n_experts
+def check_ep(args: LlamaArgs, ep: int) -> None:
+    """Raises ConfigError when the model ``args`` describes has no experts to split or they do
+    not divide over ``ep``."""
+    n_experts = args.n_experts
     if not n_experts:
         raise ConfigError(f"parallel.ep = {ep} needs a mixture-of-experts model: pick an MoE "
                           "preset (mixtral_debug, mixtral_8x7b, ...) or set parallel.ep = 1")
@@ -160,3 +162,38 @@ def update_expert_bias(layers: dict[int, MoE], table: torch.Tensor, rate: float)
     for i, moe in layers.items():
         if moe.router.score == "sigmoid":
             moe.update_expert_bias(table[i, :-3], rate)
+
+
+class MoEStats(StepHook):
+    """The MoE layers' step statistics, for the log and the sigmoid routers' expert bias. The
+    counts are cleared before each step; after each update the expert bias of sigmoid routers
+    moves by ``bias_rate`` towards balance (``update_expert_bias``, from the step's counts over
+    ``groups``); each logged step's record gets ``moe_record``, except a pipeline's first step
+    (``skip_first``), whose shape inference ran each stage once on placeholder inputs, which the
+    counts include."""
+
+    def __init__(self, layers: dict[int, MoE], n_layers: int, n_experts: int,
+                 groups: list[dist.ProcessGroup], bias_rate: float, skip_first: bool):
+        self.layers, self.n_layers, self.n_experts = layers, n_layers, n_experts
+        self.groups, self.bias_rate, self.skip_first = groups, bias_rate, skip_first
+        self.sigmoid = any(moe.router.score == "sigmoid" for moe in layers.values())
+        self.steps = 0
+
+    def stats(self) -> torch.Tensor:
+        return gather_moe_stats(self.layers, self.n_layers, self.n_experts, self.groups)
+
+    def before_step(self) -> None:
+        reset_moe_stats(self.layers)
+
+    def after_update(self) -> None:
+        if self.sigmoid:
+            update_expert_bias(self.layers, self.stats(), self.bias_rate)
+
+    def after_step(self, step: int) -> None:
+        self.steps += 1
+
+    def record(self, step: int) -> dict:
+        if self.skip_first and self.steps == 1:
+            return {}
+        return moe_record(self.stats())
+

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import types
 from collections import Counter
 from collections.abc import Callable, Sequence
 
@@ -28,6 +29,7 @@ import torch
 from torch import nn
 
 from dtrain.config import ConfigError, FP8Config
+from dtrain.hooks import StepHook
 
 
 def require_backend(backend: str):
@@ -54,20 +56,21 @@ def require_backend(backend: str):
     return module
 
 
-def check_fp8(cfg: FP8Config, device: torch.device, tp: int, compiled: bool) -> None:
+def check_fp8(cfg: FP8Config, device: torch.device | None, tp: int, compiled: bool) -> None:
     """Refuses FP8 where it cannot run: off CUDA, on GPUs older than compute capability 8.9
-    (unless emulated), without the backend installed, and TE with tensor parallel or compile."""
+    (unless emulated), without the backend installed, and TE with tensor parallel or compile.
+    ``device`` None (a dry run, planning for GPUs it does not have) skips the device's checks."""
     if cfg.emulate:
         if cfg.backend != "torchao":
             raise ConfigError("fp8.emulate = true is a torchao option: set fp8.backend = "
                               "'torchao' or fp8.emulate = false")
         require_backend(cfg.backend)
         return
-    if device.type != "cuda":
+    if device is not None and device.type != "cuda":
         raise ConfigError("fp8.enabled = true needs CUDA GPUs of compute capability 8.9 or newer "
                           "(Ada, Hopper, Blackwell) but this run is on the CPU: set "
                           "fp8.enabled = false")
-    capability = torch.cuda.get_device_capability(device)
+    capability = torch.cuda.get_device_capability(device) if device is not None else (9, 0)
     if capability < (8, 9):
         raise ConfigError(f"fp8.enabled = true needs GPUs of compute capability 8.9 or newer "
                           f"(Ada, Hopper, Blackwell) but {torch.cuda.get_device_name(device)} "
@@ -217,35 +220,66 @@ class UnitScales:
             linear.weight._local_tensor._precomputed_scale = scale[i]
 
 
-def fuse_fp8_weight_cast() -> None:
-    """Casts each weight shard to FP8 before the FSDP all-gather in one compiled kernel.
+class ScaleRefresh(StepHook):
+    """Under FP8 all-gather with the whole optimizer step: every FP8 weight's scale after each
+    update (``precompute_fp8_scales``), for the next step's all-gathers. (The overlapped step
+    refreshes them unit by unit instead: ``UnitScales``.)"""
 
-    torchao's ``WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather`` runs the cast as three
-    eager kernels with fp32 intermediates (scale, clamp, convert: about 21 bytes moved per
-    element where reading fp32 and writing FP8 needs 5), for every weight at every forward and
-    backward all-gather. With the scale precomputed (``precompute_fp8_scales``), this makes it
-    one fused kernel with the same values; without it, torchao's path runs unchanged. It
-    replaces the method on torchao's class, for the whole process; calling it again does
-    nothing. The Trainer calls it under FP8 all-gather (``fp8.fused_weight_cast``).
-    """
+    def __init__(self, model_parts: Sequence[nn.Module]):
+        self.model_parts = model_parts
+
+    def after_update(self) -> None:
+        precompute_fp8_scales(self.model_parts)
+
+
+@torch.compile(fullgraph=True, dynamic=False)
+def _cast(shard: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """torchao's own steps (``hp_tensor_and_scale_to_float8``): scale in fp32, saturate,
+    convert; compiled into one kernel."""
     from torchao.float8.float8_utils import to_fp8_saturated
-    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
-    original = WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather
-    if getattr(original, "fused_cast", False):
-        return
+    return to_fp8_saturated(shard.to(torch.float32) * scale, dtype)
 
-    @torch.compile(fullgraph=True, dynamic=False)
-    def cast(shard: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        # torchao's own steps (hp_tensor_and_scale_to_float8): scale in fp32, saturate, convert.
-        return to_fp8_saturated(shard.to(torch.float32) * scale, dtype)
 
-    def fsdp_pre_all_gather(self, mesh):
-        scale = self._precomputed_scale
-        if scale is None:
-            return original(self, mesh)
-        return (cast(self._tensor, scale, self._dtype),), (scale,)
+def _fused_pre_all_gather(weight, mesh):
+    """``fsdp_pre_all_gather`` of one weight shard: with a precomputed scale, one fused cast;
+    without, torchao's own method."""
+    scale = weight._precomputed_scale
+    if scale is None:
+        return type(weight).fsdp_pre_all_gather(weight, mesh)
+    return (_cast(weight._tensor, scale, weight._dtype),), (scale,)
 
-    fsdp_pre_all_gather.fused_cast = True
-    fsdp_pre_all_gather.original = original
-    WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather = fsdp_pre_all_gather
+
+def fuse_weight_cast(weight: torch.Tensor) -> None:
+    """Makes FSDP cast this weight shard (a torchao ``WeightWithDynamicFloat8CastTensor``) to FP8
+    in one compiled kernel before its all-gather, where torchao's method runs three eager
+    kernels with fp32 intermediates (scale, clamp, convert), for every weight at every forward
+    and backward all-gather. The values are the same. Set on this tensor alone: torchao's class
+    and every other tensor keep torchao's method. Calling it again does nothing."""
+    if "fsdp_pre_all_gather" not in vars(weight):
+        weight.fsdp_pre_all_gather = types.MethodType(_fused_pre_all_gather, weight)
+
+
+def fuse_fp8_weight_cast(model_parts: Sequence[nn.Module]) -> None:
+    """``fuse_weight_cast`` for the FP8 weights of ``model_parts`` (under FSDP, with FP8
+    all-gather: ``fp8.fused_weight_cast``). FSDP replaces a weight's shard tensor when it
+    materialises or first runs the model, so the cast is set on the current shards in a hook
+    before each unit's own all-gather (after the root's first-forward initialisation), a
+    dictionary lookup per weight when it is set already."""
+    from torch.distributed.fsdp import FSDPModule
+    from torchao.float8.float8_linear import Float8Linear
+
+    def install(linears: list[nn.Module]):
+        def hook(module: nn.Module, args) -> None:
+            for linear in linears:
+                fuse_weight_cast(linear.weight._local_tensor)
+        return hook
+
+    for part in model_parts:
+        for module in part.modules():
+            if module is part or not isinstance(module, FSDPModule):
+                continue
+            linears = [m for m in module.modules() if isinstance(m, Float8Linear)
+                       and hasattr(m.weight, "_local_tensor")]
+            if linears:
+                module.register_forward_pre_hook(install(linears), prepend=True)

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
+from dtrain.dtensor import local
+from dtrain.hooks import StepHook
+from dtrain.log import logger
 from dtrain.models.llama import Transformer
 from dtrain.models.moe import MoE
 
@@ -63,15 +67,51 @@ def keep_gathered(model: Transformer, headroom_bytes: int, param_dtype: torch.dt
     return changed
 
 
+def fsdp_units_on_gpu(device: torch.device, world_size: int, fsdp: bool, pp: int,
+                     cpu_offload: bool) -> bool:
+    """Whether the run has FSDP units on the GPU, without pipeline stages or CPU offload: where
+    the overlapped optimizer step and the ``auto`` reshard policy apply."""
+    return device.type == "cuda" and world_size > 1 and fsdp and pp == 1 and not cpu_offload
+
+
+class AutoReshard(StepHook):
+    """The ``auto`` reshard policy, once the second step has shown the steady peak (the first
+    has no optimizer state yet): the last blocks keep their gathered weights from forward to
+    backward while the peak stays within ``fraction`` of the device's memory
+    (``keep_gathered``). The ranks take the smallest headroom among them, so that all skip the
+    same all-gathers."""
+
+    def __init__(self, model: Transformer, device: torch.device, fraction: float,
+                 param_dtype: torch.dtype):
+        self.model, self.device, self.fraction = model, device, fraction
+        self.param_dtype = param_dtype
+        self.steps = 0
+
+    def after_step(self, step: int) -> None:
+        self.steps += 1
+        if self.steps == 2:
+            self.fit()
+
+    def fit(self) -> None:
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        peak = torch.cuda.max_memory_allocated(self.device)
+        budget = self.fraction * total
+        headroom = torch.tensor(budget - peak, dtype=torch.float64, device=self.device)
+        dist.all_reduce(headroom, op=dist.ReduceOp.MIN)
+        kept = keep_gathered(self.model, max(int(headroom.item()), 0), self.param_dtype)
+        logger.info(f"fsdp auto: {kept} of {self.model.args.n_layers - 1} blocks keep their "
+                    f"gathered weights from forward to backward (peak {peak / 2**30:.1f} GiB, "
+                    f"budget {budget / 2**30:.1f} GiB)")
+
+
 def _shard_moe(moe: MoE, expert_mesh: DeviceMesh | None, router_mesh: DeviceMesh | None,
                dp_degree: int, reshard: bool, common: dict) -> None:
     """FSDP units for one MoE layer's experts and router (see ``apply_fsdp``)."""
     options = {k: v for k, v in common.items() if k != "mesh"}
     if expert_mesh is not None:
-        local = moe.experts.w1.to_local().shape[0] if hasattr(moe.experts.w1, "to_local") \
-            else moe.experts.w1.shape[0]
+        experts = local(moe.experts.w1).shape[0]
         # Fewer local experts than shards: shard each expert's hidden dimension instead.
-        placement = Shard(0) if local % expert_mesh.size() == 0 else Shard(1)
+        placement = Shard(0) if experts % expert_mesh.size() == 0 else Shard(1)
         fully_shard(moe.experts, mesh=expert_mesh, reshard_after_forward=reshard,
                     shard_placement_fn=lambda param: placement, **options)
         _divide_gradients(moe.experts, dp_degree, expert_mesh)

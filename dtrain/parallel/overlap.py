@@ -4,12 +4,10 @@ After the backward, every weight update is ready to run, but the next forward ne
 first unit's weights to start. ``OverlappedStep`` runs the step unit by unit in forward order on a
 side stream and records an event after each unit; each unit's next all-gather waits for its own
 event only. The updates of the later units then run while the first ones compute, instead of
-the whole step (about 35 ms for Llama 3 8B over 2 H200) holding the device between steps.
-Measured: +0.3-0.6% tokens/s in bf16 and about +2% in FP8, whose step is shorter and whose
-forward is host-bound (docs/benchmarks.md). The profile shows why the bf16 gain is small: the
-bandwidth-bound update shares the SMs with the forward's GEMMs, which run 15-35% slower beside
-it, nearly as much time as the update takes alone. ``compute_stream`` gives the forward and
-backward the higher priority, so at least their kernels no longer wait behind update kernels.
+the whole step holding the device between steps. The bandwidth-bound update shares the SMs with
+the forward's GEMMs, which run slower beside it (docs/benchmarks.md has the measured gain and the
+profile); ``compute_stream`` gives the forward and backward the higher priority, so at least
+their kernels do not wait behind update kernels.
 
 The arithmetic is the optimizer's own, unchanged: each unit's parameters are stepped by
 ``optimizer.step()`` over that unit alone, so every parameter gets exactly one update from the
@@ -29,6 +27,8 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+
+from dtrain.dtensor import local
 
 
 def fsdp_units(parts: Sequence[nn.Module]) -> list[tuple[object, list[nn.Parameter]]]:
@@ -76,9 +76,8 @@ def only(optimizer: torch.optim.Optimizer, groups: list[list[nn.Parameter]]) -> 
 def compute_stream(device: torch.device) -> torch.cuda.Stream:
     """A stream for the forward and backward of higher priority than ``OverlappedStep``'s (the
     lowest): where kernels of both wait for the SMs, the GPU starts the compute stream's first.
-    In the profile its GEMMs otherwise waited behind update kernels, ~0.17 ms a time, about 100
-    times a step. FSDP's communication streams have the same priority. The new stream waits
-    for the work already on the device's current stream."""
+    FSDP's communication streams have the same priority. The new stream waits for the work
+    already on the device's current stream."""
     stream = torch.cuda.Stream(device, priority=-1)
     stream.wait_stream(torch.cuda.current_stream(device))
     return stream
@@ -148,7 +147,7 @@ class OverlappedStep:
         for _, params in self.units:
             for param in params:
                 if param.grad is not None:
-                    _local(param.grad).record_stream(self.stream)
+                    local(param.grad).record_stream(self.stream)
         scale = getattr(self.optimizer, "grad_scale", None)
         if isinstance(scale, torch.Tensor):
             scale.record_stream(self.stream)
@@ -166,5 +165,16 @@ class OverlappedStep:
                                                    "all_gather_stream"))
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+def build_update(optimizer: torch.optim.Optimizer, parts: Sequence[nn.Module],
+                 device: torch.device, overlap: bool,
+                 after_unit: Callable[[list[nn.Parameter]], None] | None = None):
+    """The run's weight update: with ``overlap`` (``optimizer.overlap_step`` where FSDP units
+    are on the GPU) an ``OverlappedStep``, whose forward and backward then run on
+    ``compute_stream`` (made the device's current stream here); else the whole
+    ``optimizer.step()`` (``dtrain.optim.WholeStep``). Both have ``step()`` and ``wait()``."""
+    from dtrain.optim import WholeStep
+
+    if not overlap:
+        return WholeStep(optimizer)
+    torch.cuda.set_stream(compute_stream(device))
+    return OverlappedStep(optimizer, parts, device, after_unit=after_unit)

@@ -19,9 +19,13 @@ from __future__ import annotations
 
 import copy
 import re
+from collections.abc import Callable
+from contextlib import AbstractContextManager as ContextManager
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import (
@@ -31,6 +35,7 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from dtrain.config import ConfigError
+from dtrain.dtensor import full
 from dtrain.models.llama import Transformer
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",
@@ -156,15 +161,17 @@ def split_model(model: Transformer, specs: list[StageSpec], indices: list[int]
 
 
 class Pipeline:
-    """A schedule over this rank's stages. ``step`` runs one optimizer step's forward and
-    backward over ``microbatches`` microbatches and returns the summed token loss of the
-    microbatches whose last stage is here (zero elsewhere)."""
+    """A schedule over this rank's stages, the pipeline's ``dtrain.step.ForwardBackward``:
+    called with the step's batches, it runs the forward and backward of ``microbatches``
+    microbatches and returns the summed token loss of all of them on every stage (``step``:
+    of those whose last stage is here). Forwards run in ``context``."""
 
     def __init__(self, parts: list[Transformer], indices: list[int], num_stages: int,
                  schedule: str, microbatches: int, pp_mesh: DeviceMesh, device: torch.device,
-                 loss_fn, loss_scale: float):
-        self.device = device
+                 loss_fn, loss_scale: float, context: Callable[[], ContextManager] = nullcontext):
+        self.device, self.microbatches, self.context = device, microbatches, context
         self.loss_scale = loss_scale
+        self.group = pp_mesh.get_group()
 
         def scaled_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
             return loss_fn(output, target) * loss_scale
@@ -181,6 +188,15 @@ class Pipeline:
         self.has_first = 0 in indices
         self.has_last = num_stages - 1 in indices
 
+    def __call__(self, batches) -> torch.Tensor:
+        pairs = [batches.next() for _ in range(self.microbatches)]
+        inputs, labels = (torch.cat(part) for part in zip(*pairs, strict=True))
+        with self.context():
+            loss_sum = self.step(inputs, labels)
+        # The last stage holds the loss: sum over the stages gives it to every rank.
+        dist.all_reduce(loss_sum, group=self.group)
+        return loss_sum
+
     def step(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first else ()
@@ -188,5 +204,5 @@ class Pipeline:
         self.schedule.step(*args, **kwargs)
         total = torch.zeros((), device=self.device)
         for loss in losses:  # one scaled loss per microbatch whose last stage is here
-            total = total + (loss.full_tensor() if hasattr(loss, "full_tensor") else loss)
+            total = total + full(loss)
         return total.detach() / self.loss_scale

@@ -27,13 +27,13 @@ from torch.distributed.tensor.parallel import (
 )
 
 from dtrain.config import ConfigError
-from dtrain.models.llama import Transformer
+from dtrain.models.llama import LlamaArgs, Transformer
 from dtrain.models.moe import MoE
 
 
-def check_tp(model: Transformer, tp: int, seq_len: int) -> None:
-    """Raises ConfigError when the model's heads or the sequence do not split over ``tp``."""
-    args = model.args
+def check_tp(args: LlamaArgs, tp: int, seq_len: int) -> None:
+    """Raises ConfigError when the heads of the model ``args`` describes, its feed-forward or
+    the sequence do not split over ``tp``."""
     for name, value in (("n_heads", args.n_heads), ("n_kv_heads", args.kv_heads),
                         ("ffn hidden size", args.ffn_dim)):
         if value % tp:

@@ -1,10 +1,10 @@
 """Dry run: one rank of a recipe at its full world size, on a fake process group, on ``meta``.
 
 The mesh is built at the real world size over torch's fake backend (collectives are no-ops),
-the model is built and parallelized by the trainer's own ``build_model`` as rank ``rank`` would,
-and the bytes of its local shards are counted: parameters, gradients (same dtype and sharding)
-and AdamW's two moments. Activations and communication buffers come from the memory model
-(``dtrain.plan.memory``). No weight is materialised and no GPU is needed.
+the model is built and parallelized by the trainer's own ``dtrain.build.build_model`` as rank
+``rank`` would, and the bytes of its local shards are counted: parameters, gradients (same dtype
+and sharding) and AdamW's two moments. Activations and communication buffers come from the memory
+model (``dtrain.plan.memory``). No weight is materialised and no GPU is needed.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from dtrain.config import Config, ConfigError
+from dtrain.dtensor import local
 from dtrain.plan.constants import H200, Constants
 from dtrain.plan.memory import GIB, Layout, MemoryEstimate, Workload, rank_memory
 
@@ -82,17 +83,19 @@ def default_world_size(cfg: Config) -> int:
 def dry_run(cfg: Config, world_size: int | None = None, rank: int = 0,
             constants: Constants = H200) -> DryRunReport:
     """Builds rank ``rank`` of ``cfg`` at ``world_size`` (default: ``default_world_size``) on a
-    fake process group and reports its bytes. Raises ConfigError for a layout the trainer
-    refuses. The process group is destroyed before returning."""
+    fake process group and reports its bytes. The config is checked first, as the trainer
+    checks it (``dtrain.validate``), and built by the trainer's own builders (``dtrain.build``).
+    Raises ConfigError for a layout the trainer refuses. The process group is destroyed before
+    returning."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from dtrain.parallel import ParallelDims
-    from dtrain.train import batch_arithmetic, build_model
+    from dtrain.build import batch_arithmetic, build_model
+    from dtrain.validate import validate
 
     world_size = world_size or default_world_size(cfg)
     if not 0 <= rank < world_size:
         raise ConfigError(f"--dry-run-rank {rank} is outside the world size {world_size}")
-    dims = ParallelDims.from_config(cfg.parallel, world_size)
+    dims = validate(cfg, world_size, device=None)
     global_batch, accum = batch_arithmetic(cfg.training, dims.dp)
     if dist.is_initialized():
         raise RuntimeError("the dry run needs a process without a process group")
@@ -103,9 +106,9 @@ def dry_run(cfg: Config, world_size: int | None = None, rank: int = 0,
         numel = param_bytes = 0
         for part in built.parts:
             for p in part.parameters():
-                local = p.to_local() if hasattr(p, "to_local") else p
-                numel += local.numel()
-                param_bytes += local.numel() * local.element_size()
+                shard = local(p)
+                numel += shard.numel()
+                param_bytes += shard.numel() * shard.element_size()
         args = built.parts[0].args
         work = Workload(args, cfg.training.seq_len, global_batch)
         layout = layout_of(cfg, dims)

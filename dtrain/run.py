@@ -1,0 +1,211 @@
+"""What one training run is made of, built from its config in the order of docs' flow of a run:
+checks -> process group and mesh -> tokenizer and data -> model (meta, FP8, stages, parallelize)
+-> materialised weights -> optimizer, schedule and update -> checkpoint resume -> metrics,
+validation and the step hooks. ``dtrain.trainer.Trainer`` is a ``Run`` that trains.
+
+Each piece comes from the builder next to its code; the cross-section decisions of a run (which
+step strategy, which hooks, which update) are made here and nowhere else.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from dtrain.build import (
+    batch_arithmetic,
+    build_loaders,
+    build_model,
+    build_tokenizer,
+    init_distributed,
+    local_device,
+    world_size,
+)
+from dtrain.checkpoint import Checkpointer, load_model_weights, needs_cpu_collectives
+from dtrain.config import Config
+from dtrain.hooks import Hooks
+from dtrain.log import logger, setup_logging
+from dtrain.metrics import MetricsLogger, StepMetrics
+from dtrain.optim import build_lr_scheduler, build_optimizer
+from dtrain.parallel.expert import MoEStats, moe_layers
+from dtrain.parallel.fp8 import ScaleRefresh, UnitScales
+from dtrain.parallel.fsdp import AutoReshard, fsdp_units_on_gpu
+from dtrain.parallel.overlap import OverlappedStep, build_update
+from dtrain.parallel.pipeline import Pipeline, ideal_bubble
+from dtrain.step import Accumulation, DeviceBatches, cross_entropy_sum, step_context
+from dtrain.validate import validate
+from dtrain.validation import Validator
+
+
+class Run:
+    """Builds every component of a run from ``config``; raises ConfigError (before any process
+    group exists, for everything ``validate`` checks)."""
+
+    def __init__(self, config: Config):
+        self.config = cfg = config
+        device = local_device(cfg.training.device)
+        self.dims = validate(cfg, world_size(), device)
+        self.device = device
+        self.rank, self.world_size = init_distributed(device,
+                                                      needs_cpu_collectives(cfg.checkpoint))
+        setup_logging(self.rank)
+        self.mesh = self.dims.build_mesh(device.type) if self.world_size > 1 else None
+        self.global_batch, self.grad_accum = batch_arithmetic(cfg.training, self.dims.dp)
+        self.tokens_per_step = self.global_batch * cfg.training.seq_len
+        torch.manual_seed(cfg.training.seed)
+        if cfg.training.deterministic:
+            torch.use_deterministic_algorithms(True)
+        self.run_dir = Path(cfg.job.output_dir) / cfg.job.name
+        self._build_data()
+        self._build_model()
+        self._build_training()
+        self._build_reporting()
+        self._announce()
+
+    def _build_data(self) -> None:
+        cfg, dp_mesh = self.config, self.dims.mesh("dp")
+        self.dp_rank = dp_mesh.get_local_rank() if dp_mesh is not None else 0
+        self.tokenizer = build_tokenizer(cfg.data)
+        self.loader, self.val_loader = build_loaders(
+            cfg.data, cfg.validation, cfg.training, self.tokenizer, self.dp_rank, self.dims.dp,
+            self.global_batch, pin_memory=self.device.type == "cuda")
+
+    def _build_model(self) -> None:
+        cfg, dims = self.config, self.dims
+        built = build_model(cfg, dims, self.mesh, self.device.type, self.tokenizer.vocab_size,
+                            self.grad_accum)
+        self.num_params, self.flops_per_token = built.num_params, built.flops_per_token
+        self.fp8_layers, self.fp8_all_gather = built.fp8_layers, built.fp8_all_gather
+        self.compute_dtype, self.model_parts = built.compute_dtype, built.parts
+        for part in self.model_parts:
+            part.to_empty(device=self.device)
+            part.init_weights(cfg.training.seed, buffer_device=self.device)
+            part.train()
+        self.model = self.model_parts[0]
+        # FSDP casts parameters itself; without it, autocast gives bf16 compute on fp32 weights.
+        autocast = self.compute_dtype == torch.bfloat16 and not (
+            self.mesh is not None and dims.fsdp_enabled)
+        # With loss parallel the logits are vocabulary-sharded DTensors: the loss runs under
+        # loss_parallel() and is left uncompiled.
+        sharded_loss = dims.tp > 1 and cfg.parallel.loss_parallel
+        self.loss_fn = torch.compile(cross_entropy_sum) \
+            if cfg.compile.enabled and not sharded_loss else cross_entropy_sum
+        self.context = step_context(self.device.type, self.compute_dtype, autocast, sharded_loss)
+        # Each rank's gradient is averaged over dp x cp by FSDP (a cp rank's loss covers only its
+        # tokens): scaled so that the result is the gradient of the global batch's mean loss.
+        scale = dims.dp * dims.cp / self.tokens_per_step
+        self.pipeline = None
+        if dims.pp > 1:
+            self.pipeline = Pipeline(
+                self.model_parts, built.stage_indices, built.num_stages,
+                cfg.parallel.pp_schedule, self.grad_accum, dims.mesh("pp"), self.device,
+                self.loss_fn, loss_scale=scale, context=self.context)
+        self.forward_backward = self.pipeline or Accumulation(
+            self.model, self.loss_fn, self.grad_accum, scale, self.context)
+        self.batches = DeviceBatches(self.loader, self.device, self.model.positions)
+
+    def _build_training(self) -> None:
+        cfg, tcfg = self.config, self.config.training
+        self.optimizer = build_optimizer(self.model_parts, cfg.optimizer, self.device.type)
+        self.scheduler = build_lr_scheduler(self.optimizer, cfg.lr_schedule, tcfg.steps,
+                                            cfg.optimizer.lr)
+        units_on_gpu = fsdp_units_on_gpu(self.device, self.world_size, self.dims.fsdp_enabled,
+                                         self.dims.pp, cfg.parallel.fsdp_cpu_offload)
+        overlap = cfg.optimizer.overlap_step and units_on_gpu
+        # FP8 all-gather under the overlapped step: each unit's scales right after its update,
+        # on a communicator of their own (fp8.UnitScales).
+        unit_scales = UnitScales(self.model_parts, dist.new_group()) \
+            if overlap and self.fp8_all_gather else None
+        self.update = build_update(self.optimizer, self.model_parts, self.device, overlap,
+                                   after_unit=unit_scales)
+        self.checkpointer = None
+        self.step = 0
+        if cfg.checkpoint.enabled:
+            self.checkpointer = Checkpointer(cfg.checkpoint, self.run_dir, self.model_parts,
+                                             self.optimizer, self.scheduler, self.loader,
+                                             tcfg.steps)
+            self.step = self.checkpointer.load()
+        if cfg.checkpoint.initial_weights and self.step == 0:
+            load_model_weights(self.model_parts, cfg.checkpoint.initial_weights)
+        moe = moe_layers(self.model_parts)  # by layer index; empty for dense models
+        args = self.model.args
+        groups = [self.dims.mesh(n).get_group() for n in ("dp_cp", "tp", "pp")
+                  if self.dims.mesh(n) is not None]
+        self.hooks = Hooks([
+            self.checkpointer,
+            MoEStats(moe, args.n_layers, args.n_experts, groups, cfg.model.moe_bias_update_rate,
+                     skip_first=self.pipeline is not None) if moe else None,
+            ScaleRefresh(self.model_parts) if self.fp8_all_gather and not overlap else None,
+            AutoReshard(self.model, self.device, cfg.parallel.fsdp_auto_memory_fraction,
+                        self.compute_dtype)
+            if cfg.parallel.fsdp_reshard_after_forward == "auto" and units_on_gpu else None,
+        ])
+
+    def _build_reporting(self) -> None:
+        cfg, tcfg = self.config, self.config.training
+        self.metrics_logger = MetricsLogger(cfg.metrics, self.run_dir, enabled=self.rank == 0)
+        self.metrics = StepMetrics(cfg.metrics, self.metrics_logger, self.device,
+                                   self.tokens_per_step, self.world_size, self.flops_per_token,
+                                   tcfg.steps, self.mean_loss)
+        self.peak_tflops = self.metrics.peak_tflops
+        val_batches = DeviceBatches(self.val_loader, self.device, self.model.positions) \
+            if self.val_loader is not None else None
+        val_tokens = cfg.validation.steps * tcfg.micro_batch_size * self.dims.dp * tcfg.seq_len
+        self.validator = Validator(cfg.validation, val_batches, self.model, self.loss_fn,
+                                   self.context, self.reduce_sum, val_tokens, tcfg.steps,
+                                   self.metrics_logger)
+        self.history: list[dict[str, float]] = []
+        self.val_history = self.validator.history
+
+    @property
+    def overlapped_step(self) -> OverlappedStep | None:
+        """The overlapped optimizer step, when the run has one."""
+        return self.update if isinstance(self.update, OverlappedStep) else None
+
+    def reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """Sum over the ranks that hold different data (in place)."""
+        if (mesh := self.dims.mesh("dp_cp")) is not None and mesh.size() > 1:
+            dist.all_reduce(value, group=mesh.get_group())
+        return value
+
+    def mean_loss(self, loss_sum: torch.Tensor) -> torch.Tensor:
+        """Mean token loss over the global batch from each rank's summed step loss."""
+        return self.reduce_sum(loss_sum.clone()) / self.tokens_per_step
+
+    def _announce(self) -> None:
+        """The run folder's config.toml, and what the run is, on the console."""
+        cfg, tcfg = self.config, self.config.training
+        if self.rank == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.toml").write_text(cfg.to_toml())
+        logger.info(cfg.to_toml())
+        logger.info(f"model {cfg.model.name}: {self.num_params / 1e6:,.1f}M parameters | "
+                    f"world {self.world_size} ({self.device.type}) | dp {self.dims.dp} | global "
+                    f"batch {self.global_batch} x {tcfg.seq_len} tokens = micro "
+                    f"{tcfg.micro_batch_size} x dp {self.dims.dp} x accum {self.grad_accum} | "
+                    f"{self.compute_dtype} compute | run folder {self.run_dir}")
+        if self.fp8_layers is not None:
+            converted, kept = self.fp8_layers
+            logger.info(f"fp8: {cfg.fp8.backend} {cfg.fp8.recipe}"
+                        f"{' with FP8 all-gather' if self.fp8_all_gather else ''} | "
+                        f"{len(converted)} linear layers in FP8, {len(kept)} kept "
+                        f"({', '.join(kept[:4])}{', ...' if len(kept) > 4 else ''})")
+        if self.pipeline is not None:
+            pcfg = cfg.parallel
+            bubble = ideal_bubble(pcfg.pp_schedule, self.dims.pp, pcfg.pp_virtual_stages,
+                                  self.grad_accum)
+            logger.info(f"pipeline: {pcfg.pp_schedule}, pp {self.dims.pp} x "
+                        f"{pcfg.pp_virtual_stages} stages per rank, {self.grad_accum} "
+                        f"microbatches: ideal bubble {100 * bubble:.1f}% of compute time")
+
+    def close(self) -> None:
+        """Stops the background work and leaves the process group (for notebooks that build
+        several trainers)."""
+        if self.checkpointer:
+            self.checkpointer.close()
+        self.loader.close()
+        self.metrics_logger.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()

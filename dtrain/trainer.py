@@ -1,0 +1,115 @@
+"""The training loop: ``Trainer(load_config("debug")).train()``.
+
+Each step: the step hooks' ``before_step`` -> the forward and backward of the global batch
+(gradient accumulation or a pipeline schedule) -> the global gradient norm and clipping ->
+``before_update`` -> the weight update -> ``after_update`` -> the LR schedule -> ``after_step``.
+Around the steps, the checkpointer says when to save, the validator when to evaluate and the
+metrics when to log; each owns its timing and its figures. Everything the loop calls is built by
+``dtrain.run.Run``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+
+import torch
+
+from dtrain.optim import clip_grad_norm_
+from dtrain.run import Run
+from dtrain.step import StepResult
+
+
+class Trainer(Run):
+    """A run that trains: ``train()`` to the last step (again after ``train(until=...)``),
+    ``run_step()`` for one step as the loop takes it, ``train_step()`` for one step waited for."""
+
+    def run_step(self) -> StepResult:
+        """One optimizer step over the global batch, as the training loop runs it: the returned
+        figures are device tensors nothing has waited for, and with the overlapped step
+        (``optimizer.overlap_step``) the weight updates may still be running on their side
+        stream. The next step's forward waits for them unit by unit; anything else reading the
+        weights calls ``wait_for_update()`` first."""
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.hooks.before_step()
+        loss_sum = self.forward_backward(self.batches)
+        pp_mesh = self.dims.mesh("pp")
+        grad_norm = clip_grad_norm_([p for part in self.model_parts for p in part.parameters()],
+                                    self.config.training.max_norm,
+                                    pp_mesh.get_group() if pp_mesh else None, self.optimizer)
+        self.hooks.before_update()
+        self.update.step()
+        self.hooks.after_update()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        self.hooks.after_step(self.step)
+        return StepResult(loss_sum, grad_norm, lr, self.batches.take_wait())
+
+    def train_step(self) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """``run_step`` with its updates complete: (mean token loss over the global batch,
+        gradient norm, seconds spent waiting for data)."""
+        result = self.run_step()
+        self.wait_for_update()
+        return self.mean_loss(result.loss_sum), result.grad_norm, result.data_wait
+
+    def wait_for_update(self) -> None:
+        """The device's compute stream waits for the last step's weight updates."""
+        self.update.wait()
+
+    def evaluate(self) -> float:
+        """Mean token loss over the validation batches (the same ones at every call)."""
+        self.wait_for_update()
+        return self.validator.evaluate()
+
+    def train(self, until: int | None = None) -> list[dict[str, float]]:
+        """Runs to ``training.steps`` (or stops after step ``until``: the schedule still spans
+        ``training.steps``; a later ``train()`` goes on from there); returns the logged records
+        of every ``train()`` so far (also in metrics.jsonl)."""
+        last = min(until or self.config.training.steps, self.config.training.steps)
+        self.metrics.start(self.step, last)
+        with manual_gc(self.config.training.gc_interval) as collect:
+            while self.step < last:
+                result = self.run_step()
+                collect(self.step)
+                if self.checkpointer and self.checkpointer.should_save(self.step):
+                    with self.metrics.paused():
+                        self.wait_for_update()
+                        self.checkpointer.save(self.step)
+                if self.validator.should_run(self.step):
+                    with self.metrics.paused():
+                        self.wait_for_update()
+                        self.validator.run(self.step)
+                if self.metrics.step_done(self.step, result.data_wait):
+                    self.history.append(self.metrics.log(self.step, result,
+                                                         self.hooks.record(self.step)))
+        self.wait_for_update()  # the weights are the last step's for whatever reads them next
+        self._pause()
+        return self.history
+
+    def _pause(self) -> None:
+        """Between ``train()`` calls: a save in flight completed, the prefetching stopped (the
+        loader rewound to the last batch used) and the metrics files closed; each starts again
+        when the next ``train()`` needs it."""
+        if self.checkpointer:
+            self.checkpointer.close()
+        self.loader.close()
+        self.metrics_logger.close()
+
+
+@contextlib.contextmanager
+def manual_gc(interval: int):
+    """Python's automatic garbage collection off for the block, and a function of the step that
+    collects the young generations every ``interval`` steps; the collector's state is restored
+    after (notebooks go on with it). ``interval`` 0: nothing changes."""
+    if interval <= 0:
+        yield lambda step: None
+        return
+    was_enabled = gc.isenabled()
+    gc.collect(1)  # the young generations (a full collection walks the whole heap)
+    gc.disable()
+    try:
+        yield lambda step: gc.collect(1) if step % interval == 0 else None
+    finally:
+        if was_enabled:
+            gc.enable()
