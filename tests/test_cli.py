@@ -1,6 +1,11 @@
 """The command line: exit code 2 and one clear line for bad input; --print-config; --help."""
 
+import os
+import subprocess
+import sys
+
 import pytest
+from conftest import ROOT
 
 from dtrain.train import main
 
@@ -40,3 +45,35 @@ def test_help_lists_config_fields(cli):
     result = cli(["--help"])
     assert result.returncode == 0
     assert "--optimizer.lr (float" in result.stdout and "Peak learning rate" in result.stdout
+
+
+def rank_errors(tmp_path, args: list[str]) -> tuple[list[list[str]], str]:
+    """Runs ``dtrain.train ARGS`` under torchrun with two CPU ranks whose output goes to a file
+    each, with c10d's INFO log on (process-group setup then logs its store connections); returns
+    each rank's stderr lines and torchrun's own output. torchrun polls its workers every 3 s, so
+    both have exited by themselves when it looks (not stopped by it after the first one)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
+           "TORCH_CPP_LOG_LEVEL": "INFO"}
+    logs = tmp_path / "logs"
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         "--monitor-interval", "3", "--log-dir", str(logs), "--redirects", "3",
+         "-m", "dtrain.train", "--recipe", "debug", *args],
+        capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+    assert result.returncode != 0
+    files = sorted(logs.glob("*/attempt_0/*/stderr.log"), key=lambda p: int(p.parent.name))
+    return [f.read_text().splitlines() for f in files], result.stderr
+
+
+def test_config_error_under_torchrun_comes_before_any_process_group_on_every_rank(tmp_path):
+    ranks, launcher = rank_errors(tmp_path / "tp", ["--parallel.tp", "3"])
+    assert len(ranks) == 2
+    for lines in ranks:
+        assert lines and lines[0].startswith("error: parallel degrees"), lines[:3]
+        assert len(lines) == 1, lines  # no c10d line: no store, no process group
+    assert launcher.count("exitcode  : 2 ") == 2  # each rank exits 2
+    # The same log shows a process group when one is set up: a missing data file is found
+    # after it (by the loader), and c10d's store connection comes first.
+    ranks, _ = rank_errors(tmp_path / "data", ["--data.path", "/nonexistent.jsonl"])
+    for lines in ranks:
+        assert "[c10d]" in lines[0] and lines[-1].startswith("error: data.path: file"), lines

@@ -105,3 +105,19 @@ def test_two_process_fsdp_matches_one_process(cli, tmp_path):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), a["step"]
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5), a["step"]
     assert ref[-1]["loss"] < ref[0]["loss"]
+
+
+def test_train_goes_on_after_stopping_early(tmp_path):
+    # A notebook's pattern: train(until=2), look, train() again. The second call continues at
+    # step 3 with the next batches, so the losses are those of one uninterrupted run (the
+    # same arithmetic in one fp32 CPU process: equal bit for bit).
+    overrides = {"training.steps": 4, "model.n_layers": 2, "training.seq_len": 64,
+                 "training.global_batch_size": 4, "metrics.log_every": 1}
+    whole = Trainer(load_config("debug", {**overrides, "job.output_dir": str(tmp_path / "a")}))
+    reference = [r["loss"] for r in whole.train()]
+    trainer = Trainer(load_config("debug", {**overrides, "job.output_dir": str(tmp_path / "b")}))
+    assert [r["step"] for r in trainer.train(until=2)] == [1, 2]
+    history = trainer.train()
+    assert [r["step"] for r in history] == [1, 2, 3, 4]
+    assert [r["loss"] for r in history] == reference
+    assert [r["step"] for r in read_metrics(tmp_path / "b" / "debug")] == [1, 2, 3, 4]

@@ -49,13 +49,10 @@ def _ring(volume: float, group: int) -> float:
     return volume * (group - 1) / group
 
 
-def estimate_time(work: Workload, layout: Layout, gpus_per_node: int = 8,
-                  c: Constants = H200) -> TimeEstimate:
-    args = work.args
-    seq = work.seq_len
-    m = work.microbatches(layout)
+def _compute_time(work: Workload, layout: Layout, c: Constants) -> float:
+    """Seconds of weight matmuls and causal attention (masked half skipped) per GPU and step."""
+    args, seq = work.args, work.seq_len
     tokens_rank = work.global_batch * seq / layout.world  # tokens of compute per GPU and step
-    # Compute: weight matmuls and causal attention (masked half skipped), per GPU.
     flops = model_flops_per_token(args, seq)
     attention = 12 * args.n_layers * args.n_heads * args.head_dim * seq
     matmul_eff = c.matmul_efficiency * (c.fp8_matmul_speedup if layout.fp8 else 1.0)
@@ -64,8 +61,16 @@ def estimate_time(work: Workload, layout: Layout, gpus_per_node: int = 8,
     compute = tokens_rank * ((flops - attention) / (peak * matmul_eff)
                              + attention / 2 / (peak * attention_eff))
     compute *= 1 + {"none": 0.0, "op": c.recompute_op, "full": c.recompute_full}[layout.ac]
-    if not layout.compiled:
-        compute *= c.eager_slowdown
+    return compute if layout.compiled else compute * c.eager_slowdown
+
+
+def estimate_time(work: Workload, layout: Layout, gpus_per_node: int = 8,
+                  c: Constants = H200) -> TimeEstimate:
+    args = work.args
+    seq = work.seq_len
+    m = work.microbatches(layout)
+    compute = _compute_time(work, layout, c)
+    flops, peak = model_flops_per_token(args, seq), c.peak_tflops * 1e12
 
     # Mesh order (outermost first): pp, dp_replicate, dp_shard, cp, tp.
     tp_bw = _bandwidth(layout.tp, 1, gpus_per_node, c)
