@@ -267,6 +267,7 @@ def fuse_fp8_weight_cast(model_parts: Sequence[nn.Module]) -> None:
     before each unit's own all-gather (after the root's first-forward initialisation), a
     dictionary lookup per weight when it is set already."""
     from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
     from torchao.float8.float8_linear import Float8Linear
 
     def install(linears: list[nn.Module]):
@@ -280,6 +281,6 @@ def fuse_fp8_weight_cast(model_parts: Sequence[nn.Module]) -> None:
             if module is part or not isinstance(module, FSDPModule):
                 continue
             linears = [m for m in module.modules() if isinstance(m, Float8Linear)
-                       and hasattr(m.weight, "_local_tensor")]
+                       and isinstance(m.weight, DTensor)]
             if linears:
                 module.register_forward_pre_hook(install(linears), prepend=True)

@@ -1,0 +1,166 @@
+"""What a checkpoint's files must pass: enough free space before they are written, a content
+hash of each recorded while it is written (no second read), the hashes checked and the model's
+keys compared with the saved ones before anything is loaded.
+
+Each rank's hashes go into ``hashes-rank<R>.json`` inside the checkpoint folder (file name ->
+xxh3-64 hex digest and size). A resume checks every listed file (the ranks share the files
+between them) and names the first one that differs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import xxhash
+from torch.distributed.checkpoint.filesystem import FileSystem
+
+from dtrain.config import ConfigError
+
+GIB = 2**30
+
+
+class _HashingStream:
+    """A file being written, with every byte also fed to ``digest``."""
+
+    def __init__(self, raw, digest):
+        self._raw, self._digest = raw, digest
+        self.size = 0
+
+    def write(self, data) -> int:
+        self._digest.update(data)
+        self.size += memoryview(data).nbytes
+        return self._raw.write(data)
+
+    def __getattr__(self, name: str):
+        return getattr(self._raw, name)
+
+
+class HashingFileSystem(FileSystem):
+    """DCP's file system, recording the hash and size of every file written through it
+    (``hashes``, by file name; a rename carries its entry along)."""
+
+    def __init__(self):
+        super().__init__()
+        self.hashes: dict[str, dict[str, Any]] = {}
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode: str):
+        with super().create_stream(path, mode) as stream:
+            if "w" not in mode:
+                yield stream
+                return
+            hashing = _HashingStream(stream, xxhash.xxh3_64())
+            yield hashing
+        self.hashes[Path(path).name] = {"xxh3_64": hashing._digest.hexdigest(),
+                                        "bytes": hashing.size}
+
+    def rename(self, path, new_path) -> None:
+        super().rename(path, new_path)
+        if (entry := self.hashes.pop(Path(path).name, None)) is not None:
+            self.hashes[Path(new_path).name] = entry
+
+
+def hashing_writer(path: Path) -> tuple[dcp.FileSystemWriter, HashingFileSystem]:
+    """A DCP writer into ``path`` whose files are hashed as they are written."""
+    writer = dcp.FileSystemWriter(str(path))
+    writer.fs = HashingFileSystem()
+    return writer, writer.fs
+
+
+def write_hashes(folder: Path, rank: int, fs: HashingFileSystem) -> None:
+    (folder / f"hashes-rank{rank}.json").write_text(json.dumps(fs.hashes, indent=0))
+
+
+def file_hash(path: Path) -> str:
+    digest = xxhash.xxh3_64()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def verify_hashes(folder: Path, what: str) -> None:
+    """Compares every file listed in the folder's hash records with its content; the ranks
+    share the work. Raises ConfigError on every rank naming the first damaged or missing file.
+    A checkpoint without records (written before they existed) passes."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    entries = sorted((name, entry) for record in sorted(folder.glob("hashes-rank*.json"))
+                     for name, entry in json.loads(record.read_text()).items())
+    problem = ""
+    for name, entry in entries[rank::world]:
+        path = folder / name
+        if not path.is_file():
+            problem = f"file {path} is missing"
+        elif path.stat().st_size != entry["bytes"] or file_hash(path) != entry["xxh3_64"]:
+            problem = f"file {path} is damaged (its content differs from when it was written)"
+        if problem:
+            break
+    problems = [problem]
+    if world > 1:
+        problems = [None] * world
+        dist.all_gather_object(problems, problem)
+    if found := next((p for p in problems if p), None):
+        raise ConfigError(f"{what} cannot be loaded: {found}. Delete that checkpoint folder to "
+                          "resume from the one before, or set checkpoint.load_step")
+
+
+def check_keys(state: dict[str, Any], path: Path, what: str, fix: str) -> None:
+    """Refuses a checkpoint without metadata, or whose ``model`` entry holds keys the model
+    does not have or lacks keys it has (DCP alone checks only the keys it is asked for)."""
+    try:
+        saved = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    except FileNotFoundError:
+        raise ConfigError(f"{what} cannot be loaded: {path} has no .metadata (not a checkpoint, "
+                          f"or its save did not finish). {fix}") from None
+    except Exception as e:  # unreadable metadata: one line, not the unpickler's traceback
+        raise ConfigError(f"{what} cannot be loaded: its .metadata is damaged "
+                          f"({type(e).__name__}). {fix}") from None
+    wanted = {f"model.{key}" for key in state["model"]}
+    saved_model = {key for key in saved if key.startswith("model.")}
+    if wanted == saved_model:
+        return
+    extra, missing = sorted(saved_model - wanted), sorted(wanted - saved_model)
+    listed = "; ".join(part for part in (
+        f"{len(extra)} keys the model does not have (first {extra[0]})" if extra else "",
+        f"{len(missing)} of the model's keys are missing (first {missing[0]})" if missing else "")
+        if part)
+    raise ConfigError(f"{what} was saved for another model shape: {listed}. {fix}")
+
+
+def state_bytes(state: dict[str, Any]) -> int:
+    """Bytes of this rank's tensors (local shards) in a state dict."""
+    from dtrain.dtensor import local
+
+    total = 0
+    for value in _leaves(state):
+        if isinstance(value, torch.Tensor):
+            shard = local(value)
+            total += shard.numel() * shard.element_size()
+    return total
+
+
+def _leaves(value):
+    if isinstance(value, dict):
+        for item in value.values():
+            yield from _leaves(item)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            yield from _leaves(item)
+    else:
+        yield value
+
+
+def free_bytes(folder: Path) -> int:
+    """Free bytes on the file system that holds ``folder`` (or its nearest existing parent)."""
+    path = folder
+    while not path.exists():
+        path = path.parent
+    return shutil.disk_usage(path).free
