@@ -7,6 +7,7 @@ run and the planner call them, and nothing here trains.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import os
 
 import torch
@@ -46,16 +47,19 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def init_distributed(device: torch.device, cpu_collectives: bool = False) -> tuple[int, int]:
+def init_distributed(device: torch.device, cpu_collectives: bool = False,
+                     timeout_s: float = 1800.0) -> tuple[int, int]:
     """Joins the torchrun process group when there is one (NCCL on GPU, gloo on CPU; on GPU
     with ``cpu_collectives`` also gloo for CPU tensors, which asynchronous checkpoint saves
-    need). Returns (rank, world size); a plain ``python`` process is rank 0 of 1."""
+    need), its collectives timing out after ``timeout_s``. Returns (rank, world size); a plain
+    ``python`` process is rank 0 of 1."""
     use_cuda = device.type == "cuda"
     if use_cuda:
         torch.cuda.set_device(device)
     if world_size() > 1 and not dist.is_initialized():
         backend = ("cuda:nccl,cpu:gloo" if cpu_collectives else "nccl") if use_cuda else "gloo"
-        dist.init_process_group(backend, device_id=device if use_cuda else None)
+        dist.init_process_group(backend, device_id=device if use_cuda else None,
+                                timeout=datetime.timedelta(seconds=timeout_s))
     rank = dist.get_rank() if dist.is_initialized() else 0
     return rank, world_size()
 

@@ -11,9 +11,11 @@ checkpoint as the latest usable one.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import shutil
 import time
+import warnings
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -32,7 +34,18 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
+from dtrain.checkpoint_files import (
+    GIB,
+    check_keys,
+    free_bytes,
+    hashing_writer,
+    leaves,
+    state_bytes,
+    verify_hashes,
+    write_hashes,
+)
 from dtrain.config import CheckpointConfig, ConfigError
+from dtrain.dtensor import local
 from dtrain.hooks import StepHook
 from dtrain.log import logger
 
@@ -74,8 +87,10 @@ class Checkpointer(StepHook):
     rank-local stream)."""
 
     def __init__(self, cfg: CheckpointConfig, run_dir: Path, parts: list[nn.Module],
-                 optimizer: torch.optim.Optimizer, scheduler, loader, total_steps: int):
-        self.cfg, self.total_steps = cfg, total_steps
+                 optimizer: torch.optim.Optimizer, scheduler, loader, total_steps: int,
+                 cpu_group: dist.ProcessGroup | None = None):
+        self.cfg, self.total_steps, self.cpu_group = cfg, total_steps, cpu_group
+        self.saved_step = 0  # the step of the last save begun (0: none)
         self.folder = Path(cfg.folder) if Path(cfg.folder).is_absolute() else run_dir / cfg.folder
         self.model = whole_model_view(parts)
         self.optimizer, self.scheduler, self.loader = optimizer, scheduler, loader
@@ -114,26 +129,79 @@ class Checkpointer(StepHook):
         training continues while the files are written; the rename happens at the next save or
         at ``close``) and logs how long the training paused for it."""
         start = time.perf_counter()
-        self._save(step)
-        logger.info(f"checkpoint step {step}: training paused {time.perf_counter() - start:.2f}s"
-                    + (" (written in the background)" if self.cfg.async_save else ""))
-
-    def _save(self, step: int) -> None:
         self.wait()
+        if self._save(step):
+            self.saved_step = step
+            logger.info(f"checkpoint step {step}: training paused "
+                        f"{time.perf_counter() - start:.2f}s"
+                        + (" (written in the background)" if self.cfg.async_save else ""))
+
+    def _save(self, step: int) -> bool:
+        """Begins the save of ``step`` unless the state is not finite or the disk too full
+        (one line says so, the previous checkpoint stays the latest); whether it began."""
         tmp = self.folder / f"step-{step:07d}.tmp"
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # left by an earlier crash
         _barrier()
         state = self._state(step)
-        if self.cfg.async_save:
-            result = dcp.async_save(state, checkpoint_id=str(tmp),
-                                    async_stager=self._async_stager())
-            if isinstance(result, AsyncSaveResponse):
-                self._staging, result = result.staging_completion, result.upload_completion
-            self._pending = (result, tmp)
-        else:
-            dcp.save(state, checkpoint_id=str(tmp))
-            self._finish(tmp)
+        if not self._agree(finite_state(state)):
+            self._skipped(step, "the weights or the optimizer state are not finite")
+            return False
+        need = self._sum(state_bytes(state))
+        free = free_bytes(self.folder)
+        if not self._agree(free >= need):
+            self._skipped(step, f"{self.folder} has {free / GIB:.2f} GiB free and the "
+                                f"checkpoint needs {need / GIB:.2f} GiB")
+            return False
+        writer, self._files = hashing_writer(tmp)
+        try:
+            if self.cfg.async_save:
+                with _quiet():
+                    result = dcp.async_save(state, storage_writer=writer,
+                                            async_stager=self._async_stager())
+                if isinstance(result, AsyncSaveResponse):
+                    self._staging, result = result.staging_completion, result.upload_completion
+                self._pending = (result, tmp)
+            else:
+                with _quiet():
+                    dcp.save(state, storage_writer=writer)
+                self._finish(tmp)
+        except (Exception, CheckpointException) as e:  # DCP raises some BaseExceptions
+            self._failed(tmp, e)
+            return False
+        return True
+
+    def _skipped(self, step: int, why: str) -> None:
+        latest = checkpoint_steps(self.folder)
+        logger.warning(f"checkpoint step {step} not saved: {why}; "
+                       + (f"step {latest[-1]} stays the latest checkpoint" if latest else
+                          "there is no earlier checkpoint") + "; training goes on")
+
+    def _failed(self, tmp: Path, error: BaseException) -> None:
+        """A write that failed on any rank (every rank gets DCP's exception): its partial
+        files are removed."""
+        _barrier()
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        step = int(tmp.name.removeprefix("step-").removesuffix(".tmp"))
+        if self.saved_step == step:
+            self.saved_step = 0
+        self._skipped(step, f"writing {tmp} failed ({_first_line(error)}; "
+                            f"{free_bytes(self.folder) / GIB:.2f} GiB free there) and its "
+                            "partial files were removed")
+
+    def _agree(self, ok: bool) -> bool:
+        """Whether every rank says ``ok``."""
+        return self._sum(0 if ok else 1) == 0
+
+    def _sum(self, value: int) -> int:
+        """``value`` summed over the ranks (over the CPU group, or the default one on CPU)."""
+        group = self.cpu_group
+        if group is None and not (dist.is_initialized() and dist.get_backend() == "gloo"):
+            return value
+        total = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(total, group=group)
+        return int(total.item())
 
     def wait_staged(self) -> None:
         """Waits until an asynchronous save has copied the state off the device: call before
@@ -148,8 +216,11 @@ class Checkpointer(StepHook):
         if self._pending is not None:
             future, tmp = self._pending
             self._pending = None
-            future.result()
-            self._finish(tmp)
+            try:
+                future.result()
+                self._finish(tmp)
+            except (Exception, CheckpointException) as e:
+                self._failed(tmp, e)
 
     def close(self) -> None:
         """Completes a save in flight and frees the pinned staging buffers (a later save makes
@@ -160,6 +231,7 @@ class Checkpointer(StepHook):
             self._stager = None
 
     def _finish(self, tmp: Path) -> None:
+        write_hashes(tmp, self.rank, self._files)
         _barrier()  # every rank has written its shards
         if self.rank == 0:
             final = tmp.with_name(tmp.name.removesuffix(".tmp"))
@@ -197,9 +269,17 @@ class Checkpointer(StepHook):
         state = self._state(0)
         # Generator states are per rank: restored only when this rank's state was saved (the
         # same world size); otherwise the run keeps its seeded generators.
-        saved_rng = f"train.rng.rank{self.rank}" in _saved_keys(path)
+        saved = _saved_keys(path)
+        saved_rng = f"train.rng.rank{self.rank}" in saved
         if not saved_rng:
             del state["train"]["rng"]
+        streams = sorted(k for k in saved if k.startswith("train.data_dp") and k.count(".") == 2)
+        if self.data_key != "global" and f"train.data_{self.data_key}" not in saved and streams:
+            raise ConfigError(
+                f"checkpoint {path}: its streamed data state was saved by {len(streams)} "
+                f"data-parallel ranks and this run has more: streamed HF data resumes only "
+                "under the same data-parallel degree; run with the same degree, or use "
+                "data.source = 'indexed' (which resumes under any)")
         read_checkpoint(state, path, f"checkpoint {path}",
                         "It is damaged or was saved for another model shape or data source; "
                         "point checkpoint.folder elsewhere or set checkpoint.load_step to "
@@ -254,10 +334,33 @@ def read_checkpoint(state: dict[str, Any], path: str | Path, what: str, fix: str
     """``dcp.load`` into ``state``; any failure (a damaged or missing shard, a tensor the
     checkpoint lacks or has in another shape) becomes one ConfigError naming ``what`` and the
     root cause, followed by ``fix``."""
+    check_keys(state, Path(path), what, fix)
+    verify_hashes(Path(path), what)
     try:
-        dcp.load(state, checkpoint_id=str(path))
+        with _quiet():
+            dcp.load(state, checkpoint_id=str(path))
     except (Exception, CheckpointException) as e:  # DCP raises many types, some BaseException
         raise ConfigError(f"{what} cannot be loaded: {_first_line(e)}. {fix}") from None
+
+
+def finite_state(state: dict[str, Any]) -> bool:
+    """Whether every floating-point tensor (local shard) of ``state`` is finite: one reduction
+    on the device per dtype, read once."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for t in leaves(state):
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel():
+            by_device.setdefault(local(t).device, []).append(local(t))
+    return all(bool(torch.stack([n.float() for n in torch._foreach_norm(ts, ord=float("inf"))])
+                    .isfinite().all()) for ts in by_device.values())
+
+
+@contextlib.contextmanager
+def _quiet():
+    """DCP warns at every call in a process without a process group that it assumes one
+    process: true, and not the user's concern."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def _barrier() -> None:

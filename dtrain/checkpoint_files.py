@@ -22,6 +22,7 @@ import xxhash
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from dtrain.config import ConfigError
+from dtrain.dtensor import local
 
 GIB = 2**30
 
@@ -124,6 +125,10 @@ def check_keys(state: dict[str, Any], path: Path, what: str, fix: str) -> None:
         raise ConfigError(f"{what} cannot be loaded: its .metadata is damaged "
                           f"({type(e).__name__}). {fix}") from None
     wanted = {f"model.{key}" for key in state["model"]}
+    if dist.is_initialized() and dist.get_world_size() > 1:  # pipeline stages hold parts
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, wanted)
+        wanted = set().union(*every)
     saved_model = {key for key in saved if key.startswith("model.")}
     if wanted == saved_model:
         return
@@ -137,23 +142,21 @@ def check_keys(state: dict[str, Any], path: Path, what: str, fix: str) -> None:
 
 def state_bytes(state: dict[str, Any]) -> int:
     """Bytes of this rank's tensors (local shards) in a state dict."""
-    from dtrain.dtensor import local
-
     total = 0
-    for value in _leaves(state):
+    for value in leaves(state):
         if isinstance(value, torch.Tensor):
             shard = local(value)
             total += shard.numel() * shard.element_size()
     return total
 
 
-def _leaves(value):
+def leaves(value):
     if isinstance(value, dict):
         for item in value.values():
-            yield from _leaves(item)
+            yield from leaves(item)
     elif isinstance(value, list | tuple):
         for item in value:
-            yield from _leaves(item)
+            yield from leaves(item)
     else:
         yield value
 

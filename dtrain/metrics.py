@@ -93,10 +93,14 @@ def format_eta(seconds: float) -> str:
 class MetricsLogger:
     """Writes one record per logged step to the console, TensorBoard (``<run>/tb``) and
     ``<run>/metrics.jsonl``. Only the rank given ``enabled=True`` writes. The files open at the
-    first record and again after ``close`` (a notebook's second ``train()``)."""
+    first record and again after ``close`` (a notebook's second ``train()``). A run resumed at
+    ``resume_step`` first drops the records after that step, which it trains again, from
+    metrics.jsonl and TensorBoard (``purge_step``), so each step is there once. The JSON lines
+    are strict JSON: a non-finite number is written as null."""
 
-    def __init__(self, cfg: MetricsConfig, run_dir: Path, enabled: bool):
+    def __init__(self, cfg: MetricsConfig, run_dir: Path, enabled: bool, resume_step: int = 0):
         self.cfg, self.run_dir, self.enabled = cfg, run_dir, enabled
+        self._purge = resume_step
         self._writer = None
         self._jsonl = None
 
@@ -104,21 +108,33 @@ class MetricsLogger:
         if self._jsonl is not None:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._jsonl = open(self.run_dir / "metrics.jsonl", "a")
+        path = self.run_dir / "metrics.jsonl"
+        purge, self._purge = self._purge, 0
+        if purge and path.is_file():
+            kept = [line for line in path.read_text().splitlines()
+                    if line.strip() and json.loads(line).get("step", 0) <= purge]
+            path.write_text("".join(line + "\n" for line in kept))
+        self._jsonl = open(path, "a")
         if self.cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._writer = SummaryWriter(log_dir=str(self.run_dir / "tb"))
+            self._writer = SummaryWriter(log_dir=str(self.run_dir / "tb"),
+                                         purge_step=purge + 1 if purge else None)
+
+    def _write(self, record: dict) -> None:
+        self._jsonl.write(json.dumps(_strict(record), allow_nan=False) + "\n")
+        self._jsonl.flush()
 
     def log(self, step: int, total_steps: int, record: dict[str, float]) -> None:
         if not self.enabled:
             return
         self._open()
         record = {"step": step, **record, "time": time.time()}
-        self._jsonl.write(json.dumps(record) + "\n")
-        self._jsonl.flush()
+        self._write(record)
         if self._writer is not None:
             for key, value in record.items():
+                if key == "nonfinite_steps":  # step numbers: the count is the scalar
+                    continue
                 if isinstance(value, list):  # one scalar per element (MoE tokens per expert)
                     for i, item in enumerate(value):
                         self._writer.add_scalar(f"{key}/{i}", item, step)
@@ -133,9 +149,8 @@ class MetricsLogger:
             return
         self._open()
         perplexity = math.exp(min(loss, 50.0))
-        self._jsonl.write(json.dumps({"step": step, "val_loss": loss,
-                                      "val_perplexity": perplexity, "time": time.time()}) + "\n")
-        self._jsonl.flush()
+        self._write({"step": step, "val_loss": loss, "val_perplexity": perplexity,
+                     "time": time.time()})
         if self._writer is not None:
             self._writer.add_scalar("val/loss", loss, step)
             self._writer.add_scalar("val/perplexity", perplexity, step)
@@ -153,6 +168,10 @@ class MetricsLogger:
         if "aux_loss" in r:
             parts.append(f"aux {r['aux_loss']:.3f} z {r['z_loss']:.2f} "
                          f"imbalance {r['moe_load_imbalance']:.2f}")
+        if r.get("nonfinite_steps"):
+            steps = r["nonfinite_steps"]
+            parts.append(f"{len(steps)} non-finite step{'s' * (len(steps) > 1)} skipped "
+                         f"({', '.join(map(str, steps))})")
         parts += [f"step {r['step_time_s']:.3f}s", f"data {r['data_wait_percent']:.1f}%",
                   f"mem {r['peak_memory_gib']:.1f}GiB"]
         if r.get("alloc_retries"):
@@ -168,6 +187,17 @@ class MetricsLogger:
         if self._jsonl is not None:
             self._jsonl.close()
         self._writer = self._jsonl = None
+
+
+def _strict(value):
+    """``value`` with every non-finite float (in lists and dicts too) replaced by None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, list):
+        return [_strict(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _strict(v) for k, v in value.items()}
+    return value
 
 
 class StepMetrics:

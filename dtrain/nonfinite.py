@@ -77,4 +77,4 @@ class NonFiniteSteps(StepHook):
     def record(self, step: int) -> dict:
         self.settle()
         skipped, self.skipped = self.skipped, []
-        return {"nonfinite_steps": skipped} if skipped else {}
+        return {"nonfinite_steps": skipped, "nonfinite_skipped": len(skipped)} if skipped else {}

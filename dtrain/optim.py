@@ -129,6 +129,18 @@ def folds_clipping(optimizer: torch.optim.Optimizer) -> bool:
         all(group.get("fused") for group in optimizer.param_groups)
 
 
+def skip_update_if(optimizer: torch.optim.Optimizer, flag: torch.Tensor) -> bool:
+    """Arranges for the optimizer's next step to leave the weights and its state untouched
+    where ``flag`` (a one-element tensor) is nonzero; returns whether the step is to be taken.
+    Torch's fused Adam and AdamW read the flag inside their kernels (``found_inf``, as for loss
+    scaling): the step is always taken and the host does not wait for the device. The other
+    implementations cannot: the host reads the flag (a synchronisation) and skips the step."""
+    if folds_clipping(optimizer):
+        optimizer.found_inf = flag
+        return True
+    return not flag.item()
+
+
 class WholeStep:
     """The weight update as one ``optimizer.step()``; ``wait()`` has nothing to wait for (the
     interface of ``dtrain.parallel.overlap.OverlappedStep``)."""

@@ -9,6 +9,8 @@ step strategy, which hooks, which update) are made here and nowhere else.
 
 from __future__ import annotations
 
+import os
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -28,15 +30,18 @@ from dtrain.config import Config
 from dtrain.hooks import Hooks
 from dtrain.log import logger, setup_logging
 from dtrain.metrics import MetricsLogger, StepMetrics
+from dtrain.nonfinite import NonFiniteSteps
 from dtrain.optim import build_lr_scheduler, build_optimizer
 from dtrain.parallel.expert import MoEStats, moe_layers
 from dtrain.parallel.fp8 import ScaleRefresh, UnitScales
 from dtrain.parallel.fsdp import AutoReshard, fsdp_units_on_gpu
 from dtrain.parallel.overlap import OverlappedStep, build_update
 from dtrain.parallel.pipeline import Pipeline, ideal_bubble
+from dtrain.preemption import Preemption
 from dtrain.step import Accumulation, DeviceBatches, cross_entropy_sum, step_context
 from dtrain.validate import validate
 from dtrain.validation import Validator
+from dtrain.watchdog import HangWatchdog, nccl_debug_env
 
 
 class Run:
@@ -48,16 +53,26 @@ class Run:
         device = local_device(cfg.training.device)
         self.dims = validate(cfg, world_size(), device)
         self.device = device
-        self.rank, self.world_size = init_distributed(device,
-                                                      needs_cpu_collectives(cfg.checkpoint))
+        self.run_dir = Path(cfg.job.output_dir) / cfg.job.name
+        # Collectives time out a minute after the watchdog (dtrain.watchdog) would have ended a
+        # rank without progress: the watchdog, which writes the stacks, speaks first.
+        timeout = cfg.training.hang_timeout_s + 60
+        if device.type == "cuda":
+            nccl_debug_env(self.run_dir, int(os.environ.get("RANK", "0")))
+        self.rank, self.world_size = init_distributed(
+            device, needs_cpu_collectives(cfg.checkpoint), timeout)
         setup_logging(self.rank)
         self.mesh = self.dims.build_mesh(device.type) if self.world_size > 1 else None
+        # Host-side agreements (preemption, checkpoint checks) over CPU tensors: no device sync.
+        self.cpu_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout)) \
+            if self.world_size > 1 else None
+        self.watchdog = HangWatchdog(cfg.training.hang_timeout_s, self.run_dir, self.rank)
+        self.preemption = Preemption(self.cpu_group)
         self.global_batch, self.grad_accum = batch_arithmetic(cfg.training, self.dims.dp)
         self.tokens_per_step = self.global_batch * cfg.training.seq_len
         torch.manual_seed(cfg.training.seed)
         if cfg.training.deterministic:
             torch.use_deterministic_algorithms(True)
-        self.run_dir = Path(cfg.job.output_dir) / cfg.job.name
         self._build_data()
         self._build_model()
         self._build_training()
@@ -125,7 +140,7 @@ class Run:
         if cfg.checkpoint.enabled:
             self.checkpointer = Checkpointer(cfg.checkpoint, self.run_dir, self.model_parts,
                                              self.optimizer, self.scheduler, self.loader,
-                                             tcfg.steps)
+                                             tcfg.steps, self.cpu_group)
             self.step = self.checkpointer.load()
         if cfg.checkpoint.initial_weights and self.step == 0:
             load_model_weights(self.model_parts, cfg.checkpoint.initial_weights)
@@ -133,7 +148,11 @@ class Run:
         args = self.model.args
         groups = [self.dims.mesh(n).get_group() for n in ("dp_cp", "tp", "pp")
                   if self.dims.mesh(n) is not None]
+        dp_cp = self.dims.mesh("dp_cp")
+        self.nonfinite = NonFiniteSteps(tcfg.nonfinite, tcfg.max_nonfinite_steps,
+                                        dp_cp.get_group() if dp_cp is not None else None)
         self.hooks = Hooks([
+            self.nonfinite,
             self.checkpointer,
             MoEStats(moe, args.n_layers, args.n_experts, groups, cfg.model.moe_bias_update_rate,
                      skip_first=self.pipeline is not None) if moe else None,
@@ -145,7 +164,8 @@ class Run:
 
     def _build_reporting(self) -> None:
         cfg, tcfg = self.config, self.config.training
-        self.metrics_logger = MetricsLogger(cfg.metrics, self.run_dir, enabled=self.rank == 0)
+        self.metrics_logger = MetricsLogger(cfg.metrics, self.run_dir, enabled=self.rank == 0,
+                                            resume_step=self.step)
         self.metrics = StepMetrics(cfg.metrics, self.metrics_logger, self.device,
                                    self.tokens_per_step, self.world_size, self.flops_per_token,
                                    tcfg.steps, self.mean_loss)
@@ -207,5 +227,6 @@ class Run:
             self.checkpointer.close()
         self.loader.close()
         self.metrics_logger.close()
+        self.watchdog.stop()
         if dist.is_initialized():
             dist.destroy_process_group()

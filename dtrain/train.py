@@ -9,9 +9,11 @@ The trainer itself is ``dtrain.trainer.Trainer``.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from dtrain.config import ConfigError, help_text, load_config
+from dtrain.errors import EXIT_BAD_INPUT, NonFiniteStop, Preempted
 from dtrain.trainer import Trainer
 
 
@@ -53,7 +55,13 @@ def main(argv: list[str] | None = None) -> int:
         # Every rank: most errors are found before the process group exists, by each rank alike;
         # a rank-local one (its data shard) is seen by that rank alone.
         print(f"error: {e}", file=sys.stderr, flush=True)
-        return 2
+        return EXIT_BAD_INPUT
+    except NonFiniteStop as e:  # every rank stops at the same step; rank 0 says why
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return e.exit_code
+    except Preempted as e:  # the trainer logged its line
+        return e.exit_code
     return 0
 
 

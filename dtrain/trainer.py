@@ -1,11 +1,13 @@
 """The training loop: ``Trainer(load_config("debug")).train()``.
 
 Each step: the step hooks' ``before_step`` -> the forward and backward of the global batch
-(gradient accumulation or a pipeline schedule) -> the global gradient norm and clipping ->
+(gradient accumulation or a pipeline schedule) -> the global gradient norm and clipping -> the
+non-finite check (``dtrain.nonfinite``: such a step's update changes nothing) ->
 ``before_update`` -> the weight update -> ``after_update`` -> the LR schedule -> ``after_step``.
 Around the steps, the checkpointer says when to save, the validator when to evaluate and the
-metrics when to log; each owns its timing and its figures. Everything the loop calls is built by
-``dtrain.run.Run``.
+metrics when to log; each owns its timing and its figures. A preemption signal ends the run at a
+step boundary with a checkpoint (``dtrain.preemption``); the hang watchdog hears from every step
+(``dtrain.watchdog``). Everything the loop calls is built by ``dtrain.run.Run``.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ import gc
 
 import torch
 
-from dtrain.optim import clip_grad_norm_
+from dtrain.errors import Preempted
+from dtrain.log import logger
+from dtrain.optim import clip_grad_norm_, skip_update_if
 from dtrain.run import Run
 from dtrain.step import StepResult
 
@@ -37,8 +41,11 @@ class Trainer(Run):
         grad_norm = clip_grad_norm_([p for part in self.model_parts for p in part.parameters()],
                                     self.config.training.max_norm,
                                     pp_mesh.get_group() if pp_mesh else None, self.optimizer)
+        flag = self.nonfinite.flag(loss_sum, grad_norm)
+        self.nonfinite.note(self.step + 1, flag)
         self.hooks.before_update()
-        self.update.step()
+        if skip_update_if(self.optimizer, flag):
+            self.update.step()
         self.hooks.after_update()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -68,24 +75,53 @@ class Trainer(Run):
         of every ``train()`` so far (also in metrics.jsonl)."""
         last = min(until or self.config.training.steps, self.config.training.steps)
         self.metrics.start(self.step, last)
-        with manual_gc(self.config.training.gc_interval) as collect:
-            while self.step < last:
-                result = self.run_step()
-                collect(self.step)
-                if self.checkpointer and self.checkpointer.should_save(self.step):
-                    with self.metrics.paused():
-                        self.wait_for_update()
-                        self.checkpointer.save(self.step)
-                if self.validator.should_run(self.step):
-                    with self.metrics.paused():
-                        self.wait_for_update()
-                        self.validator.run(self.step)
-                if self.metrics.step_done(self.step, result.data_wait):
-                    self.history.append(self.metrics.log(self.step, result,
-                                                         self.hooks.record(self.step)))
-        self.wait_for_update()  # the weights are the last step's for whatever reads them next
-        self._pause()
+        self.watchdog.start(self.step)
+        self.preemption.arm()
+        try:
+            with manual_gc(self.config.training.gc_interval) as collect:
+                while self.step < last:
+                    result = self.run_step()
+                    collect(self.step)
+                    self.watchdog.beat(self.step)
+                    if signal := self.preemption.requested():
+                        self._stop_for(signal)
+                    if self.checkpointer and self.checkpointer.should_save(self.step):
+                        with self.metrics.paused():
+                            self.wait_for_update()
+                            self.checkpointer.save(self.step)
+                    if self.validator.should_run(self.step):
+                        with self.metrics.paused():
+                            self.wait_for_update()
+                            self.validator.run(self.step)
+                    if self.metrics.step_done(self.step, result.data_wait):
+                        self.history.append(self.metrics.log(self.step, result,
+                                                             self.hooks.record(self.step)))
+                    self.watchdog.beat(self.step)
+            self.nonfinite.settle()  # a last step's flag, read before the run counts as done
+        finally:
+            self.preemption.disarm()
+            self.watchdog.stop()
+            self.wait_for_update()  # the weights are the last step's for whatever reads them
+            self._pause()
         return self.history
+
+    def _stop_for(self, signal: str) -> None:
+        """A preemption signal reached a rank: every rank saves the current step (unless it was
+        saved already) and stops."""
+        saved = "checkpointing is off: nothing saved"
+        if self.checkpointer:
+            self.wait_for_update()
+            if self.checkpointer.saved_step != self.step:
+                self.checkpointer.save(self.step)
+            self.checkpointer.close()  # an asynchronous save completes before the exit
+            if self.checkpointer.saved_step == self.step:
+                saved = f"checkpoint step {self.step} saved in {self.checkpointer.folder}"
+            else:
+                saved = f"the checkpoint of step {self.step} could not be saved"
+        message = (f"{signal}: stopped after step {self.step}; {saved}; exit code "
+                   f"{Preempted.exit_code} (run the same command again to resume)")
+        logger.info(message)
+        raise Preempted(message)
 
     def _pause(self) -> None:
         """Between ``train()`` calls: a save in flight completed, the prefetching stopped (the

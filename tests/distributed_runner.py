@@ -30,6 +30,14 @@ def initial_weights_match(trainer: Trainer) -> bool:
     return True
 
 
+def poison_gradient(trainer: Trainer, step: int) -> None:
+    """Makes this rank's first block output NaN in the forwards of step ``step`` (1-based): its
+    loss and every gradient of the step are then NaN."""
+    block = next(iter(trainer.model.layers.values()))
+    block.register_forward_hook(
+        lambda module, args, out: out * float("nan") if trainer.step == step - 1 else out)
+
+
 def first_projection(model):
     """This rank's first wq module (through compile/checkpoint wrappers), if it has one."""
     return next((m for name, m in model.named_modules() if name.endswith("attention.wq")), None)
@@ -40,7 +48,10 @@ def main() -> None:
     results = []
     for overrides in json.load(open(spec_path)):
         until = overrides.pop("_until", None)  # stop early, as a killed job would
+        poison = overrides.pop("_poison", None)  # {"step": s, "rank": r}: a NaN gradient there
         trainer = Trainer(load_config("debug", overrides))
+        if poison is not None and trainer.rank == poison["rank"]:
+            poison_gradient(trainer, poison["step"])
         # After a resume the weights are the checkpoint's, not the initial ones.
         init_ok = initial_weights_match(trainer) if trainer.step == 0 else None
         dtypes = []

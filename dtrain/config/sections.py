@@ -141,6 +141,15 @@ class TrainingConfig:
     """Python's automatic garbage collection is off while training (its pauses would land at
     random inside steps, stalling the device's queue) and a young-generation collection runs
     every this many steps; 0 leaves Python's collector alone."""
+    nonfinite: Literal["skip", "stop"] = "skip"
+    """A step whose loss or gradient norm is infinite or NaN never changes the weights nor the
+    optimizer state: skip (the run goes on; the next log line names the step) or stop (exit
+    code 3 at the first one)."""
+    max_nonfinite_steps: int = ranged(3, lambda v: v >= 1, "an integer >= 1")
+    """With nonfinite = "skip": this many non-finite steps in a row stop the run (exit code 3)."""
+    hang_timeout_s: float = ranged(1800.0, lambda v: v > 0, "a number of seconds > 0")
+    """A rank without progress for this long writes every thread's stack to the run folder and
+    ends the job (exit code 4); every collective times out a minute later, as a last resort."""
 
 
 @dataclass
