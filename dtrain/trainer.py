@@ -83,8 +83,6 @@ class Trainer(Run):
                     result = self.run_step()
                     collect(self.step)
                     self.watchdog.beat(self.step)
-                    if signal := self.preemption.requested():
-                        self._stop_for(signal)
                     if self.checkpointer and self.checkpointer.should_save(self.step):
                         with self.metrics.paused():
                             self.wait_for_update()
@@ -97,6 +95,8 @@ class Trainer(Run):
                         self.history.append(self.metrics.log(self.step, result,
                                                              self.hooks.record(self.step)))
                     self.watchdog.beat(self.step)
+                    if signal := self.preemption.requested():
+                        self._stop_for(signal)
             self.nonfinite.settle()  # a last step's flag, read before the run counts as done
         finally:
             self.preemption.disarm()

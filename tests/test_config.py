@@ -103,6 +103,10 @@ def test_invalid_choice_lists_choices():
     ("optimizer.betas=[0.9]", "two numbers in"),
     ("lr_schedule.wsd_decay_fraction=1.5", r"a number in \[0, 1\]"),
     ("parallel.fsdp_auto_memory_fraction=0", r"a number in \(0, 1\]"),
+    ("optimizer.lr=inf", "a finite number > 0"),
+    ("training.max_norm=nan", "a finite number >= 0"),
+    ("optimizer.betas=[0.9, nan]", "two numbers in"),
+    ("training.hang_timeout_s=0", "a number of seconds > 0"),
 ])
 def test_out_of_range(override, allowed):
     key = override.split("=")[0]

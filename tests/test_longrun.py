@@ -4,6 +4,7 @@ sees."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,7 +21,8 @@ from dtrain.config import ConfigError
 from dtrain.errors import EXIT_HANG, EXIT_NONFINITE, EXIT_PREEMPTED, Preempted
 
 SMALL = ["--recipe", "debug", "--model.n_layers", "2", "--training.seq_len", "64",
-         "--training.global_batch_size", "4", "--metrics.log_every", "1",
+         "--training.global_batch_size", "4", "--training.micro_batch_size", "1",
+         "--metrics.log_every", "1",
          "--metrics.tensorboard", "false"]
 
 
@@ -44,7 +46,7 @@ def wait_for_step(process: subprocess.Popen, step: int, lines: list[str]) -> Non
     """Reads the run's console until the line of ``step`` (kept in ``lines``)."""
     for line in process.stdout:
         lines.append(line)
-        if line.startswith(f"step {step:>2}/") or line.startswith(f"step {step}/"):
+        if (match := re.match(r"step +(\d+)/", line)) and int(match.group(1)) >= step:
             return
     tail = "".join(lines[-20:])
     raise AssertionError(f"the run ended before step {step}:\n{tail}")

@@ -11,6 +11,9 @@ data-parallel degree. ``datasets`` is imported here only, when this source is us
 
 from __future__ import annotations
 
+import gzip
+import logging
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +22,7 @@ import numpy as np
 
 from dtrain.assets import resolve
 from dtrain.config import ConfigError, DataConfig
+from dtrain.data.documents import json_rows, json_type, read_documents, utf8_lines
 from dtrain.data.tokenizer import Tokenizer
 
 _BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text",
@@ -33,12 +37,14 @@ def load_documents(cfg: DataConfig):
 
     path = resolve(cfg.path)
     if path.exists():
-        files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
+        files = _local_files(path)
         kinds = {_BUILDERS.get(_suffix(p)) for p in files}
         if len(kinds) != 1 or None in kinds:
             raise ConfigError(f"data.path = {cfg.path!r}: expected files of one format among "
                               f"{', '.join(sorted(_BUILDERS))}, found "
                               f"{', '.join(sorted({_suffix(p) for p in files})) or 'none'}")
+        # A JSON file pyarrow cannot parse is logged by datasets too; the stream raises one line.
+        logging.getLogger("datasets.packaged_modules.json.json").addFilter(_JSON_LOG)
         return datasets.load_dataset(kinds.pop(), data_files=[str(p) for p in files],
                                      split="train", streaming=True)
     try:
@@ -51,9 +57,59 @@ def load_documents(cfg: DataConfig):
                           ) from None
 
 
+def _local_files(path: Path) -> list[Path]:
+    """The files of a local data.path (a file, or the files of a folder); none for a name."""
+    if not path.exists():
+        return []
+    return sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
+
+
 def _suffix(path: Path) -> str:
     suffixes = [s for s in path.suffixes if s != ".gz"]
     return suffixes[-1] if suffixes else ""
+
+
+class _JsonLoadLog(logging.Filter):
+    """Drops datasets' "Failed to load JSON from file" error log (the stream raises a
+    ConfigError instead) and keeps the file it names."""
+
+    file: str | None = None
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        match = re.match(r"Failed to load JSON from file '(.*)' with error", record.getMessage())
+        if match:
+            self.file = match.group(1)
+        return match is None
+
+
+_JSON_LOG = _JsonLoadLog()
+
+
+def _first_bad_line(files: list[Path], text_field: str, texts: bool = False
+                    ) -> ConfigError | None:
+    """The ConfigError for the first bad line among the JSON-lines and text ``files`` (the
+    file datasets named first): not UTF-8, not a JSON object, or (``texts``) without a string
+    ``text_field``; None if there is none."""
+    for file in sorted(files, key=lambda p: str(p) != _JSON_LOG.file):
+        builder = _BUILDERS.get(_suffix(file))
+        if builder == "json" and _is_json_lines(file):
+            rows = read_documents(file, text_field) if texts else json_rows(file, text_field)
+        elif builder in ("json", "text"):
+            rows = utf8_lines(file)
+        else:
+            continue
+        try:
+            for _ in rows:
+                pass
+        except ConfigError as e:
+            return e
+    return None
+
+
+def _is_json_lines(file: Path) -> bool:
+    """A .json/.jsonl file holding JSON lines, not one JSON array."""
+    with (gzip.open if file.suffix == ".gz" else open)(file, "rb") as f:
+        return not f.read(4096).lstrip().startswith(b"[")
 
 
 class HFWindowStream:
@@ -74,12 +130,49 @@ class HFWindowStream:
 
     def _text_iterator(self) -> Iterator[str]:
         rows = iter(self.dataset.skip(self.documents) if self.documents else self.dataset)
-        for row in rows:
-            if self.cfg.text_field not in row:
+        field = self.cfg.text_field
+        while True:
+            try:
+                row = next(rows)
+            except StopIteration:
+                return
+            except Exception as e:  # a local file datasets cannot parse: name its bad line
+                error = self._unreadable(e)
+                if error is None:
+                    raise
+                raise error from None
+            if field not in row:
                 raise ConfigError(f"data.path = {self.cfg.path!r} has no field "
-                                  f"'{self.cfg.text_field}': set data.text_field to one of "
+                                  f"'{field}': set data.text_field to one of "
                                   f"{', '.join(row)}")
-            yield row[self.cfg.text_field]
+            text = row[field]
+            if not isinstance(text, str):
+                files = _local_files(resolve(self.cfg.path))
+                raise _first_bad_line(files, field, texts=True) or ConfigError(
+                    f"data.path = {self.cfg.path!r} holds a document whose field '{field}' is "
+                    f"of type {json_type(text)}, not a string: put the document text there or "
+                    "remove that document")
+            yield text
+
+    def _unreadable(self, error: Exception) -> ConfigError | None:
+        """The ConfigError for a local file datasets failed on with ``error``, naming the bad
+        line when the file is JSON lines or text; None when ``error`` is no data error."""
+        import pyarrow as pa
+
+        files = _local_files(resolve(self.cfg.path))
+        if not files:
+            return None
+        found = _first_bad_line(files, self.cfg.text_field)
+        if found is not None:
+            return found
+        if not isinstance(error, (ValueError, pa.ArrowException)):
+            return None
+        where = _JSON_LOG.file if _JSON_LOG.file in {str(p) for p in files} else (
+            str(files[0]) if len(files) == 1 else f"a file in {resolve(self.cfg.path)}")
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        return ConfigError(f"data.path = {self.cfg.path!r}: HF datasets could not read {where} "
+                           f"({reason}): fix that file (JSON lines: one JSON object per line, "
+                           f"the text in field '{self.cfg.text_field}')")
 
     def _refill(self) -> None:
         """Tokenizes the next documents into the buffer, starting a new epoch at the end."""

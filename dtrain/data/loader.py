@@ -13,18 +13,16 @@ across ranks. ``StreamingLoader`` serves the hf source's rank-local stream.
 
 from __future__ import annotations
 
-import gzip
-import json
 import queue
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from dtrain.assets import resolve
 from dtrain.config import ConfigError, DataConfig
+from dtrain.data.documents import read_documents
 from dtrain.data.tokenizer import Tokenizer
 from dtrain.data.window import WindowDataset
 
@@ -44,29 +42,6 @@ class PackedTokens:
     def window(self, index: int) -> np.ndarray:
         start = index * self.seq_len
         return self.tokens[start:start + self.seq_len + 1]
-
-
-def read_documents(path: Path, text_field: str) -> Iterator[str]:
-    """Documents from a JSON-lines file (``text_field`` of each line; .gz allowed) or a plain
-    text file (one document)."""
-    opener = gzip.open if path.suffix == ".gz" else open
-    if ".jsonl" in path.suffixes or ".json" in path.suffixes:
-        with opener(path, "rt", encoding="utf-8") as f:
-            for line_no, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ConfigError(f"{path}:{line_no} is not valid JSON ({e.msg}): fix or "
-                                     "remove that line") from None
-                if text_field not in row:
-                    raise ConfigError(f"{path}:{line_no} has no field '{text_field}': set "
-                                     f"data.text_field to one of {', '.join(row)}")
-                yield row[text_field]
-    else:
-        with opener(path, "rt", encoding="utf-8") as f:
-            yield f.read()
 
 
 def build_text_dataset(cfg: DataConfig, tokenizer: Tokenizer, seq_len: int) -> PackedTokens:

@@ -16,12 +16,19 @@ class Tokenizer:
     (``bos_token``/``eos_token``) unless given."""
 
     def __init__(self, path: str | Path, bos: str | None = None, eos: str | None = None):
-        path = resolve(str(path))
+        value, path = str(path), resolve(str(path))
         file = path / "tokenizer.json" if path.is_dir() else path
         if not file.is_file():
             raise FileNotFoundError(f"tokenizer file {file} not found: set data.tokenizer to a "
                                     "tokenizer.json or a folder holding one")
-        self._tok = HFTokenizer.from_file(str(file))
+        try:
+            self._tok = HFTokenizer.from_file(str(file))
+        except Exception as e:  # tokenizers raises a bare Exception for any file it cannot read
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            name = f"data.tokenizer = {value!r}" + ("" if str(file) == value else f": {file}")
+            raise ConfigError(f"{name} is not a HF tokenizer.json ({reason}): set "
+                              "data.tokenizer to a tokenizer.json saved by HF tokenizers, or a "
+                              "folder holding one") from None
         stat = file.stat()
         self.file_key = (str(file), stat.st_mtime_ns, stat.st_size)  # identifies the vocabulary
         special = {}

@@ -1,0 +1,70 @@
+"""Bad data files and tokenizers end the CLI with one ``error:`` line that names the problem."""
+
+import pytest
+
+
+@pytest.fixture
+def train(cli, tmp_path):
+    """Runs one tiny training step of the debug recipe on ``path``, plus ``extra`` arguments."""
+    def run(path, *extra):
+        return cli(["--recipe", "debug", "--data.path", str(path), "--training.steps", "1",
+                    "--model.n_layers", "1", "--training.seq_len", "64",
+                    "--training.global_batch_size", "1", "--training.micro_batch_size", "1",
+                    "--metrics.tensorboard", "false", "--job.output_dir", str(tmp_path / "out"),
+                    *extra])
+    return run
+
+
+def error_line(result) -> str:
+    """The single error line of a run refused for bad input (exit code 2, no traceback)."""
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr[-2000:]
+    return lines[0]
+
+
+def test_text_json_line_that_is_not_an_object_names_file_and_line(train, tmp_path):
+    path = tmp_path / "docs.jsonl"
+    path.write_text('{"text": "a first document"}\n42\n')
+    line = error_line(train(path))
+    assert "docs.jsonl:2 is a JSON number, not an object" in line
+    assert "each line a JSON object with the text in field 'text'" in line
+
+
+def test_text_null_text_names_file_line_field_and_type(train, tmp_path):
+    path = tmp_path / "docs.jsonl"
+    path.write_text('{"text": "a first document"}\n{"text": null}\n')
+    line = error_line(train(path))
+    assert "docs.jsonl:2 has field 'text' of type null, not a string" in line
+
+
+def test_text_invalid_utf8_names_file_and_line(train, tmp_path):
+    path = tmp_path / "docs.jsonl"
+    path.write_bytes(b'{"text": "a first document"}\n{"text": "caf\xe9"}\n')
+    line = error_line(train(path))
+    assert "docs.jsonl:2 is not UTF-8 text" in line and "must be UTF-8" in line
+
+
+def test_hf_malformed_json_line_names_file_and_line(train, tmp_path):
+    path = tmp_path / "docs.jsonl"
+    path.write_text('{"text": "a first document"}\n{oops\n{"text": "a third"}\n')
+    line = error_line(train(path, "--data.source", "hf"))
+    assert "docs.jsonl:2 is not valid JSON" in line and "fix or remove that line" in line
+
+
+def test_hf_null_text_names_file_line_field_and_type(train, tmp_path):
+    path = tmp_path / "docs.jsonl"
+    path.write_text('{"text": "a first document"}\n{"text": null}\n')
+    line = error_line(train(path, "--data.source", "hf"))
+    assert "docs.jsonl:2 has field 'text' of type null, not a string" in line
+
+
+def test_tokenizer_that_is_not_a_tokenizer_json_names_the_path(train, tmp_path):
+    data = tmp_path / "docs.jsonl"
+    data.write_text('{"text": "a first document"}\n')
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a tokenizer\n")
+    line = error_line(train(data, "--data.tokenizer", str(notes)))
+    assert f"data.tokenizer = '{notes}' is not a HF tokenizer.json" in line
+    assert "a folder holding one" in line
