@@ -30,7 +30,7 @@ class NonFiniteSteps(StepHook):
     def flag(self, loss_sum: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
         """1.0 where the step's loss on any rank or its gradient norm is not finite, else 0.0,
         as a device tensor of one element (the same on every rank)."""
-        bad = (~torch.isfinite(loss_sum) | ~torch.isfinite(grad_norm)).float().reshape(1)
+        bad = (~torch.isfinite(loss_sum) | ~torch.isfinite(grad_norm)).float().reshape(())
         if self.group is not None:
             dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.group)
         return bad
@@ -39,7 +39,7 @@ class NonFiniteSteps(StepHook):
         """Keeps step ``step``'s flag for the host to read once the device is past it."""
         event = None
         if flag.is_cuda:
-            host = torch.empty(1, pin_memory=True)
+            host = torch.empty((), pin_memory=True)
             host.copy_(flag, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
