@@ -50,6 +50,9 @@ from dtrain.hooks import StepHook
 from dtrain.log import logger
 
 _STEP = re.compile(r"^step-(\d+)$")
+# How a write that failed reaches us: DCP's exception wrapping each rank's (every rank gets it),
+# an OSError (ENOSPC, EIO, ...), or torch's file writer's RuntimeError after a short write.
+WRITE_ERRORS = (CheckpointException, OSError, RuntimeError)
 
 
 def whole_model_view(parts: list[nn.Module]) -> nn.Module:
@@ -155,20 +158,21 @@ class Checkpointer(StepHook):
             return False
         writer, self._files = hashing_writer(tmp)
         try:
-            if self.cfg.async_save:
-                with _quiet():
+            with _quiet():
+                if self.cfg.async_save:
                     result = dcp.async_save(state, storage_writer=writer,
                                             async_stager=self._async_stager())
-                if isinstance(result, AsyncSaveResponse):
-                    self._staging, result = result.staging_completion, result.upload_completion
-                self._pending = (result, tmp)
-            else:
-                with _quiet():
+                else:
                     dcp.save(state, storage_writer=writer)
-                self._finish(tmp)
-        except (Exception, CheckpointException) as e:  # DCP raises some BaseExceptions
+        except WRITE_ERRORS as e:
             self._failed(tmp, e)
             return False
+        if not self.cfg.async_save:
+            self._finish(tmp)
+            return True
+        if isinstance(result, AsyncSaveResponse):
+            self._staging, result = result.staging_completion, result.upload_completion
+        self._pending = (result, tmp)
         return True
 
     def _skipped(self, step: int, why: str) -> None:
@@ -218,9 +222,10 @@ class Checkpointer(StepHook):
             self._pending = None
             try:
                 future.result()
-                self._finish(tmp)
-            except (Exception, CheckpointException) as e:
+            except WRITE_ERRORS as e:
                 self._failed(tmp, e)
+                return
+            self._finish(tmp)
 
     def close(self) -> None:
         """Completes a save in flight and frees the pinned staging buffers (a later save makes
