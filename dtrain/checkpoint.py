@@ -278,13 +278,15 @@ class Checkpointer(StepHook):
         saved_rng = f"train.rng.rank{self.rank}" in saved
         if not saved_rng:
             del state["train"]["rng"]
-        streams = sorted(k for k in saved if k.startswith("train.data_dp") and k.count(".") == 2)
-        if self.data_key != "global" and f"train.data_{self.data_key}" not in saved and streams:
+        # Rank-local data states: one per data-parallel rank of the saving run, the same
+        # number on every rank, so that all refuse together.
+        streams = {k.split(".")[1] for k in saved if k.startswith("train.data_dp")}
+        if self.data_key != "global" and streams and len(streams) != self.loader.dp_size:
             raise ConfigError(
                 f"checkpoint {path}: its streamed data state was saved by {len(streams)} "
-                f"data-parallel ranks and this run has more: streamed HF data resumes only "
-                "under the same data-parallel degree; run with the same degree, or use "
-                "data.source = 'indexed' (which resumes under any)")
+                f"data-parallel ranks and this run has {self.loader.dp_size}: streamed HF data "
+                "resumes only under the same data-parallel degree; run with that degree, or "
+                "use data.source = 'indexed' (which resumes under any)")
         read_checkpoint(state, path, f"checkpoint {path}",
                         "It is damaged or was saved for another model shape or data source; "
                         "point checkpoint.folder elsewhere or set checkpoint.load_step to "

@@ -305,3 +305,17 @@ def test_a_resumed_run_logs_each_step_once(tmp_path):
     events = EventAccumulator(str(run / "tb"))
     events.Reload()
     assert [e.step for e in events.Scalars("loss")] == list(range(1, 11))
+
+
+def test_streamed_data_resumed_on_more_ranks_is_refused_by_name(tmp_path):
+    hf = {**BASE, "data.source": "hf", "training.steps": 4, "checkpoint.enabled": True,
+          "checkpoint.interval": 2, "job.output_dir": str(tmp_path)}
+    Trainer(load_config("debug", hf)).train(until=2)
+    args = [f"--{key}={value}" for key, value in hf.items()]
+    process = torchrun(["--recipe", "debug", *args])
+    out, err = process.communicate(timeout=300)
+    assert process.returncode != 0
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 2, err[-3000:]  # one line from each rank (torchrun adds its own)
+    assert err.count("its streamed data state was saved by 1 data-parallel ranks and this run "
+                     "has 2") == 2, err[-3000:]

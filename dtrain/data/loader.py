@@ -130,7 +130,7 @@ class Prefetcher:
     def __init__(self, loader: DataLoader | StreamingLoader, depth: int = 2,
                  pin_memory: bool = False):
         self.loader, self.depth, self.pin_memory = loader, depth, pin_memory
-        self.state_key = loader.state_key
+        self.state_key, self.dp_size = loader.state_key, loader.dp_size
         self._state = loader.state_dict()
         self._queue: queue.Queue | None = None
         self._stop = threading.Event()
@@ -193,7 +193,7 @@ class StreamingLoader:
     def __init__(self, stream, micro_batch: int, dp_rank: int = 0, vocab_size: int | None = None,
                  source: str = "the data"):
         self.stream, self.micro_batch = stream, micro_batch
-        self.state_key = f"dp{dp_rank}"
+        self.state_key, self.dp_size = f"dp{dp_rank}", stream.dp_size
         self.vocab_size, self.source = vocab_size, source
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
