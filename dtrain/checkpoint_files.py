@@ -137,7 +137,8 @@ def check_keys(state: dict[str, Any], path: Path, what: str, fix: str) -> None:
         f"{len(extra)} keys the model does not have (first {extra[0]})" if extra else "",
         f"{len(missing)} of the model's keys are missing (first {missing[0]})" if missing else "")
         if part)
-    raise ConfigError(f"{what} was saved for another model shape: {listed}. {fix}")
+    raise ConfigError(f"{what} cannot be loaded: it was saved for another model shape: {listed}. "
+                      f"{fix}")
 
 
 def state_bytes(state: dict[str, Any]) -> int:
