@@ -50,14 +50,14 @@ def test_help_lists_config_fields(cli):
 def rank_errors(tmp_path, args: list[str]) -> tuple[list[list[str]], str]:
     """Runs ``dtrain.train ARGS`` under torchrun with two CPU ranks whose output goes to a file
     each, with c10d's INFO log on (process-group setup then logs its store connections); returns
-    each rank's stderr lines and torchrun's own output. torchrun polls its workers every 3 s, so
-    both have exited by themselves when it looks (not stopped by it after the first one)."""
+    each rank's stderr lines and torchrun's own output. torchrun polls its workers every 10 s, so
+        both have exited by themselves when it looks (not stopped by it after the first one)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
            "TORCH_CPP_LOG_LEVEL": "INFO"}
     logs = tmp_path / "logs"
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         "--monitor-interval", "3", "--log-dir", str(logs), "--redirects", "3",
+         "--monitor-interval", "10", "--log-dir", str(logs), "--redirects", "3",
          "-m", "dtrain.train", "--recipe", "debug", *args],
         capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
     assert result.returncode != 0
