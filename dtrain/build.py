@@ -58,10 +58,29 @@ def init_distributed(device: torch.device, cpu_collectives: bool = False,
         torch.cuda.set_device(device)
     if world_size() > 1 and not dist.is_initialized():
         backend = ("cuda:nccl,cpu:gloo" if cpu_collectives else "nccl") if use_cuda else "gloo"
-        dist.init_process_group(backend, device_id=device if use_cuda else None,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = _attempt_store(timeout)
+        dist.init_process_group(backend, device_id=device if use_cuda else None, timeout=timeout,
+                                store=store, rank=int(os.environ["RANK"]) if store else -1,
+                                world_size=world_size() if store else -1)
     rank = dist.get_rank() if dist.is_initialized() else 0
     return rank, world_size()
+
+
+def _attempt_store(timeout: datetime.timedelta) -> dist.Store | None:
+    """Under torchrun, the launcher's store seen through a namespace of this restart attempt.
+
+    torchrun (``--max-restarts``) restarts every worker after one fails, and the restarted
+    workers rendezvous through the same store as the dead ones: a process group's keys (each
+    rank's address) left by the last attempt would be read as this one's, and connecting to a
+    dead rank fails (``Gloo connectFullMesh failed``). With each attempt's keys under its own
+    prefix, a restart sees only its own workers. None outside torchrun: ``env://`` as usual."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          world_size(), is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"dtrain/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}",
+                            store)
 
 
 def batch_arithmetic(cfg: TrainingConfig, dp: int) -> tuple[int, int]:

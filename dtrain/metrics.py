@@ -269,3 +269,12 @@ class StepMetrics:
         self.logger.log(step, self.total_steps, record)
         self.interval_start, self.interval_steps, self.data_wait = time.perf_counter(), 0, 0.0
         return {"step": step, **record}
+
+    def done_line(self, step: int, history: list[dict], run_dir: Path) -> str:
+        """The line that ends a run: its steps, final loss, time, and where its outputs are."""
+        steps = step - self.first_step
+        span = f"steps {self.first_step + 1}-{step}" if self.first_step else f"{steps} steps"
+        loss = f" | final loss {history[-1]['loss']:.4f}" if history else ""
+        outputs = sorted(p.name + "/" * p.is_dir() for p in run_dir.iterdir())
+        return (f"done: {span} in {format_eta(time.perf_counter() - self.run_start)}{loss} | "
+                f"outputs in {run_dir}: {', '.join(outputs)}")

@@ -195,30 +195,62 @@ class Run:
         return self.reduce_sum(loss_sum.clone()) / self.tokens_per_step
 
     def _announce(self) -> None:
-        """The run folder's config.toml, and what the run is, on the console."""
+        """The run folder's config.toml (the whole resolved config), and on the console a short
+        summary: the model, the mesh, the batch arithmetic, the run folder, a line per feature."""
         cfg, tcfg = self.config, self.config.training
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.toml").write_text(cfg.to_toml())
-        logger.info(cfg.to_toml())
-        logger.info(f"model {cfg.model.name}: {self.num_params / 1e6:,.1f}M parameters | "
-                    f"world {self.world_size} ({self.device.type}) | dp {self.dims.dp} | global "
-                    f"batch {self.global_batch} x {tcfg.seq_len} tokens = micro "
-                    f"{tcfg.micro_batch_size} x dp {self.dims.dp} x accum {self.grad_accum} | "
-                    f"{self.compute_dtype} compute | run folder {self.run_dir}")
-        if self.fp8_layers is not None:
-            converted, kept = self.fp8_layers
-            logger.info(f"fp8: {cfg.fp8.backend} {cfg.fp8.recipe}"
-                        f"{' with FP8 all-gather' if self.fp8_all_gather else ''} | "
-                        f"{len(converted)} linear layers in FP8, {len(kept)} kept "
-                        f"({', '.join(kept[:4])}{', ...' if len(kept) > 4 else ''})")
+        dims = self.dims
+        mesh = " x ".join(f"{n} {getattr(dims, n)}" for n in
+                          ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
+                          if getattr(dims, n) > 1) or "one rank"
+        logger.info(f"{cfg.job.name}: {cfg.model.name}, {self.num_params / 1e6:,.1f}M parameters"
+                    f" | world {self.world_size} ({self.device.type}): {mesh} | "
+                    f"{str(self.compute_dtype).removeprefix('torch.')} compute")
+        logger.info(f"batch: {self.global_batch} sequences x {tcfg.seq_len} tokens = micro "
+                    f"{tcfg.micro_batch_size} x dp {dims.dp} x accum {self.grad_accum} | "
+                    f"{tcfg.steps} steps | lr {cfg.optimizer.lr:g} ({cfg.lr_schedule.decay})")
+        logger.info(f"run folder: {self.run_dir} (config.toml: the resolved config)")
+        for line in self._feature_lines():
+            logger.info(f"  {line}")
+
+    def _feature_lines(self) -> list[str]:
+        """One line per enabled feature."""
+        cfg, lines = self.config, []
+        if self.step:
+            lines.append(f"resumed from step {self.step} ({self.checkpointer.folder})")
+        if cfg.checkpoint.enabled:
+            lines.append(f"checkpoints: every {cfg.checkpoint.interval} steps"
+                         f"{' (async)' if cfg.checkpoint.async_save else ''}, "
+                         f"last {cfg.checkpoint.keep_last} kept")
         if self.pipeline is not None:
             pcfg = cfg.parallel
             bubble = ideal_bubble(pcfg.pp_schedule, self.dims.pp, pcfg.pp_virtual_stages,
                                   self.grad_accum)
-            logger.info(f"pipeline: {pcfg.pp_schedule}, pp {self.dims.pp} x "
-                        f"{pcfg.pp_virtual_stages} stages per rank, {self.grad_accum} "
-                        f"microbatches: ideal bubble {100 * bubble:.1f}% of compute time")
+            lines.append(f"pipeline: {pcfg.pp_schedule}, pp {self.dims.pp} x "
+                         f"{pcfg.pp_virtual_stages} stages per rank, {self.grad_accum} "
+                         f"microbatches: ideal bubble {100 * bubble:.1f}% of compute time")
+        if self.dims.cp > 1:
+            lines.append(f"context parallel: cp {self.dims.cp}, {cfg.parallel.cp_comm_type}")
+        if self.fp8_layers is not None:
+            converted, kept = self.fp8_layers
+            lines.append(f"fp8: {cfg.fp8.backend} {cfg.fp8.recipe}"
+                         f"{' with FP8 all-gather' if self.fp8_all_gather else ''} | "
+                         f"{len(converted)} linear layers in FP8, {len(kept)} kept "
+                         f"({', '.join(kept[:4])}{', ...' if len(kept) > 4 else ''})")
+        if cfg.compile.enabled:
+            lines.append("torch.compile: each block and the loss")
+        if (mode := cfg.activation_checkpoint.mode) != "none":
+            lines.append(f"activation checkpointing: {mode}")
+        if self.overlapped_step is not None:
+            lines.append("optimizer step overlapped with the next forward")
+        if cfg.validation.enabled:
+            lines.append(f"validation: every {cfg.validation.interval} steps, "
+                         f"{cfg.validation.steps} batches")
+        if cfg.metrics.tensorboard and self.rank == 0:
+            lines.append(f"tensorboard --logdir {self.run_dir / 'tb'}")
+        return lines
 
     def close(self) -> None:
         """Stops the background work and leaves the process group (for notebooks that build

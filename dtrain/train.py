@@ -22,7 +22,8 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m dtrain.train", add_help=False,
         description="Train a model from a recipe; any config field can be overridden with "
                     "--section.key value.")
-    parser.add_argument("--recipe", help="recipe name (recipes/NAME.toml) or path")
+    parser.add_argument("--recipe",
+                        help="recipe name (dtrain/recipes/NAME.toml) or path to a .toml file")
     parser.add_argument("--print-config", action="store_true",
                         help="print the resolved config and exit")
     parser.add_argument("--dry-run", action="store_true",

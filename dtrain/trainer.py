@@ -18,7 +18,7 @@ import gc
 import torch
 
 from dtrain.errors import Preempted
-from dtrain.log import logger
+from dtrain.log import Progress, logger
 from dtrain.optim import clip_grad_norm_, skip_update_if
 from dtrain.run import Run
 from dtrain.step import StepResult
@@ -77,6 +77,7 @@ class Trainer(Run):
         self.metrics.start(self.step, last)
         self.watchdog.start(self.step)
         self.preemption.arm()
+        progress = Progress(self.rank, self.step, last)
         try:
             with manual_gc(self.config.training.gc_interval) as collect:
                 while self.step < last:
@@ -95,14 +96,18 @@ class Trainer(Run):
                         self.history.append(self.metrics.log(self.step, result,
                                                              self.hooks.record(self.step)))
                     self.watchdog.beat(self.step)
+                    progress.update()
                     if signal := self.preemption.requested():
                         self._stop_for(signal)
             self.nonfinite.settle()  # a last step's flag, read before the run counts as done
         finally:
+            progress.close()
             self.preemption.disarm()
             self.watchdog.stop()
             self.wait_for_update()  # the weights are the last step's for whatever reads them
             self._pause()
+        if self.step == self.config.training.steps:
+            logger.info(self.metrics.done_line(self.step, self.history, self.run_dir))
         return self.history
 
     def _stop_for(self, signal: str) -> None:

@@ -1,5 +1,6 @@
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -93,3 +94,51 @@ def moe_reference(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("moe_ref")
     return Trainer(load_config("debug", {**MOE, "job.output_dir": str(out)})).train()
+
+
+def strict_records(run_dir) -> list[dict]:
+    """metrics.jsonl, refusing anything that is not strict JSON (NaN, Infinity)."""
+    def refuse(constant):
+        raise ValueError(f"not strict JSON: {constant}")
+    return [json.loads(line, parse_constant=refuse)
+            for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def torchrun(args: list[str], nproc: int = 2, launch: tuple[str, ...] = ("--standalone",),
+             **popen) -> subprocess.Popen:
+    """``torchrun LAUNCH --nproc_per_node=NPROC -m dtrain.train ARGS``, its output piped."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", *launch, f"--nproc_per_node={nproc}",
+         "--monitor-interval", "1", "-m", "dtrain.train", *args],
+        **{"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, "env": env,
+           "cwd": ROOT, **popen})
+
+
+def cli_args(overrides: dict) -> list[str]:
+    """``--key value`` arguments of the debug recipe with ``overrides``."""
+    args = ["--recipe", "debug"]
+    for key, value in overrides.items():
+        args += [f"--{key}", str(value).lower() if isinstance(value, bool) else str(value)]
+    return args
+
+
+def wait_for_step(process: subprocess.Popen, step: int, lines: list[str]) -> None:
+    """Reads the run's console until the line of ``step`` (kept in ``lines``)."""
+    for line in process.stdout:
+        lines.append(line)
+        if (match := re.match(r"step +(\d+)/", line)) and int(match.group(1)) >= step:
+            return
+    tail = "".join(lines[-20:])
+    raise AssertionError(f"the run ended before step {step}:\n{tail}")
+
+
+def rank_pid(parent: int, rank: int) -> int:
+    """The worker process of ``rank`` under the torchrun process ``parent``."""
+    children = subprocess.run(["pgrep", "-P", str(parent)], capture_output=True,
+                              text=True).stdout.split()
+    for child in children:
+        environ = open(f"/proc/{child}/environ", "rb").read().split(b"\0")
+        if f"RANK={rank}".encode() in environ:
+            return int(child)
+    raise AssertionError(f"no worker of rank {rank} under {parent}")

@@ -1,12 +1,18 @@
 """The command line: exit code 2 and one clear line for bad input; --print-config; --help."""
 
+import fcntl
 import os
+import pty
+import re
+import struct
 import subprocess
 import sys
+import termios
 
 import pytest
 from conftest import ROOT
 
+from dtrain.config import load_config
 from dtrain.train import main
 
 
@@ -77,3 +83,59 @@ def test_config_error_under_torchrun_comes_before_any_process_group_on_every_ran
     ranks, _ = rank_errors(tmp_path / "data", ["--data.path", "/nonexistent.jsonl"])
     for lines in ranks:
         assert "[c10d]" in lines[0] and lines[-1].startswith("error: data.path: file"), lines
+
+
+# ---- the console of a run ------------------------------------------------------------------
+
+RUN = ["--recipe", "debug", "--model.n_layers", "2", "--training.seq_len", "64",
+       "--training.global_batch_size", "4", "--training.steps", "6", "--metrics.log_every", "3"]
+
+
+def test_a_run_starts_with_a_short_summary_and_ends_with_one_line(cli, tmp_path):
+    result = cli([*RUN, "--checkpoint.enabled", "true", "--checkpoint.interval", "3",
+                  "--job.output_dir", str(tmp_path)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    start = lines[:next(i for i, line in enumerate(lines) if line.startswith("step "))]
+    assert len(start) <= 8, start  # not the resolved config: that is in config.toml
+    assert start[0].startswith("debug: llama3_debug, ") and "world 1 (cpu): one rank" in start[0]
+    assert start[1].startswith("batch: 4 sequences x 64 tokens = micro 4 x dp 1 x accum 1")
+    run = tmp_path / "debug"
+    assert f"run folder: {run}" in start[2]
+    assert "  checkpoints: every 3 steps, last 3 kept" in start
+    assert load_config(run / "config.toml") == load_config("debug", RUN[2:] + [
+        "--checkpoint.enabled", "true", "--checkpoint.interval", "3",
+        "--job.output_dir", str(tmp_path)])
+    assert "\r" not in result.stdout  # no progress bar into a pipe
+    done = lines[-1]
+    assert re.fullmatch(rf"done: 6 steps in 0:\d\d:\d\d \| final loss \d+\.\d{{4}} \| outputs in "
+                        rf"{re.escape(str(run))}: checkpoints/, config\.toml, metrics\.jsonl, "
+                        r"tb/", done), done
+    assert done.split("final loss ")[1].split()[0] in lines[-2]  # step 6's loss
+
+
+def test_a_terminal_gets_a_progress_bar_between_the_log_lines(tmp_path):
+    primary, secondary = pty.openpty()
+    fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))  # 160 wide
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "dtrain.train", *RUN, "--job.output_dir", str(tmp_path)],
+        stdout=secondary, stderr=subprocess.PIPE, env=env, cwd=ROOT)
+    os.close(secondary)
+    screen = b""
+    while True:
+        try:
+            chunk = os.read(primary, 65536)
+        except OSError:  # the run ended and closed the terminal
+            break
+        if not chunk:
+            break
+        screen += chunk
+    assert process.wait(timeout=60) == 0, process.stderr.read()[-3000:]
+    text = screen.decode()
+    bars = re.findall(r"train:\s+(\d+)%\|[^|]*\| (\d)/6", text)
+    counts = {int(done) for _, done in bars}
+    # Drawn between the log lines (tqdm redraws at most every 0.1 s: not every step is seen).
+    assert len(counts & {1, 2, 4, 5}) >= 2 and counts <= set(range(7)), counts
+    assert re.search(r"^step 3/6 \| loss ", text.replace("\r", "\n"), re.M)
+    assert "done: 6 steps in " in text

@@ -2,9 +2,7 @@
 checkpoints and resumed metrics. Each test causes the fault for real and checks what the user
 sees."""
 
-import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -12,7 +10,16 @@ import time
 
 import pytest
 import torch
-from conftest import BASE, REL, ROOT, run_distributed
+from conftest import (
+    BASE,
+    REL,
+    ROOT,
+    rank_pid,
+    run_distributed,
+    strict_records,
+    torchrun,
+    wait_for_step,
+)
 from distributed_runner import poison_gradient
 
 from dtrain import Trainer, load_config
@@ -24,32 +31,6 @@ SMALL = ["--recipe", "debug", "--model.n_layers", "2", "--training.seq_len", "64
          "--training.global_batch_size", "4", "--training.micro_batch_size", "1",
          "--metrics.log_every", "1",
          "--metrics.tensorboard", "false"]
-
-
-def strict_records(run_dir) -> list[dict]:
-    """metrics.jsonl, refusing anything that is not strict JSON (NaN, Infinity)."""
-    def refuse(constant):
-        raise ValueError(f"not strict JSON: {constant}")
-    return [json.loads(line, parse_constant=refuse)
-            for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def torchrun(args: list[str], nproc: int = 2, **popen) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone",
-         f"--nproc_per_node={nproc}", "--monitor-interval", "1", "-m", "dtrain.train", *args],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT, **popen)
-
-
-def wait_for_step(process: subprocess.Popen, step: int, lines: list[str]) -> None:
-    """Reads the run's console until the line of ``step`` (kept in ``lines``)."""
-    for line in process.stdout:
-        lines.append(line)
-        if (match := re.match(r"step +(\d+)/", line)) and int(match.group(1)) >= step:
-            return
-    tail = "".join(lines[-20:])
-    raise AssertionError(f"the run ended before step {step}:\n{tail}")
 
 
 # ---- non-finite steps ----------------------------------------------------------------------
@@ -174,17 +155,6 @@ def test_sigusr1_stops_after_the_step_with_a_checkpoint(tmp_path):
 
 
 # ---- hangs ---------------------------------------------------------------------------------
-
-def rank_pid(parent: int, rank: int) -> int:
-    """The worker process of ``rank`` under the torchrun process ``parent``."""
-    children = subprocess.run(["pgrep", "-P", str(parent)], capture_output=True,
-                              text=True).stdout.split()
-    for child in children:
-        environ = open(f"/proc/{child}/environ", "rb").read().split(b"\0")
-        if f"RANK={rank}".encode() in environ:
-            return int(child)
-    raise AssertionError(f"no worker of rank {rank} under {parent}")
-
 
 def test_a_stopped_rank_ends_the_job_with_the_others_stacks(tmp_path):
     timeout = 8

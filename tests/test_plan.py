@@ -1,6 +1,7 @@
 """The planner's memory and time models, the dry run of every recipe at its full world size,
 and the planner's choices for published layouts."""
 
+import re
 from dataclasses import replace
 
 import pytest
@@ -10,7 +11,7 @@ from dtrain.config import load_config
 from dtrain.models import Transformer, model_args
 from dtrain.plan.dry_run import dry_run
 from dtrain.plan.memory import GIB, Layout, Workload, estimate_memory, total_params
-from dtrain.plan.planner import Cluster, evaluate, main, plan, why_wins
+from dtrain.plan.planner import Cluster, evaluate, main, plan, why_slower
 from dtrain.plan.step_time import estimate_time
 
 
@@ -142,7 +143,7 @@ def test_planner_top_choice_is_published_or_faster_and_fits(name, gpus, seq, bat
     if _degrees(best.layout) != _degrees(published):
         # ... and when another wins, it is predicted faster and the planner says why.
         assert best.time.step < same[0].time.step
-        assert "s/step" in why_wins(best, same[0])
+        assert "% step time: " in why_slower(best, same[0])
 
 
 def test_dense_models_up_to_13b_on_8_gpus_take_fsdp_8():
@@ -162,3 +163,33 @@ def test_planner_cli_prints_ranked_layouts(capsys):
                  "--global-batch", "64", "--top", "3"]) == 0
     out = capsys.readouterr().out
     assert "fastest that fits" in out and "excluded" in out
+
+
+def test_each_why_says_what_the_layout_loses_against_the_first_with_its_figures():
+    work, cluster = Workload(model_args("llama3_8b"), 32768, 64), Cluster(8, 8, 80.0)
+    fits = [c for c in plan(work, cluster) if not c.excluded]
+    best = fits[0]
+    for other in fits[1:12]:
+        why = why_slower(best, other)
+        pct = 100 * (other.time.step - best.time.step) / best.time.step
+        assert why.startswith(f"+{pct:.1f}% step time: "), why
+        if other.layout.cp > best.layout.cp and "K/V" in why:
+            # The layout with more context parallelism is said to exchange more, not less.
+            assert f"CP {other.layout.cp} against {best.layout.cp}: " in why
+            volumes = [float(v.replace(",", "")) for v in
+                       re.findall(r"([\d,.]+) against ([\d,.]+) GB/step of K/V", why)[0]]
+            assert volumes[0] > volumes[1]
+    assert any("K/V exchange" in why_slower(best, o) for o in fits[1:12])
+
+
+def test_a_slower_network_makes_layouts_across_nodes_slower(capsys):
+    # 8B on 8 nodes: HSDP, its replicas across nodes.
+    common = ["--model", "llama3_8b", "--gpus", "64", "--seq-len", "8192",
+              "--global-batch", "512", "--top", "1"]
+    assert main(common) == 0
+    def best_step_s() -> float:  # the step-time column of row 1
+        row = capsys.readouterr().out.splitlines()[3]
+        return float(row.removesuffix("fastest that fits").split()[-4])
+    fast = best_step_s()
+    assert main([*common, "--network-gb-s", "5"]) == 0
+    assert best_step_s() > fast

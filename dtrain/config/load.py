@@ -25,7 +25,7 @@ SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fiel
 
 def load_config(recipe: str | Path | None = None,
                 overrides: typing.Sequence[str] | dict[str, Any] = ()) -> Config:
-    """Reads a recipe (a name from ``recipes/`` or a path; None for the defaults), applies
+    """Reads a recipe (a name from ``dtrain/recipes/`` or a path; None for the defaults), applies
     overrides (``["training.steps=10"]``, ``["--training.steps", "10"]`` or
     ``{"training.steps": 10}``) and returns the validated ``Config``. Raises ``ConfigError``."""
     raw: dict[str, Any] = {}
@@ -79,26 +79,17 @@ def _check_fp8(cfg: FP8Config) -> None:
 
 
 def find_recipe(recipe: str | Path) -> Path:
-    """A path as given, else ``recipes/NAME[.toml]`` from the checkout or the installed package."""
+    """A path as given, else ``NAME[.toml]`` from the recipes shipped in ``dtrain.recipes``."""
     path = Path(recipe)
     if path.is_file():
         return path
     name = path.name if path.suffix == ".toml" else path.name + ".toml"
-    for folder in _recipe_folders():
-        if (folder / name).is_file():
-            return folder / name
-    known = sorted(p.stem for folder in _recipe_folders() for p in folder.glob("*.toml"))
+    shipped = Path(str(resources.files("dtrain.recipes")))  # a folder: dtrain is not zipped
+    if (shipped / name).is_file():
+        return shipped / name
+    known = sorted(p.stem for p in shipped.glob("*.toml"))
     raise ConfigError(f"recipe '{recipe}' not found: give a path to a .toml file or one of "
-                      f"{', '.join(known) or '(none installed)'}")
-
-
-def _recipe_folders() -> list[Path]:
-    folders = [Path(__file__).resolve().parents[2] / "recipes"]
-    try:
-        folders.append(Path(str(resources.files("dtrain.recipes"))))
-    except ModuleNotFoundError:
-        pass
-    return [f for f in folders if f.is_dir()]
+                      f"{', '.join(known)}")
 
 
 def _pair_overrides(args: typing.Sequence[str]) -> list[tuple[str, Any]]:

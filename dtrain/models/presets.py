@@ -37,7 +37,7 @@ PRESETS: dict[str, LlamaArgs] = {
     "llama2_13b": LlamaArgs(dim=5120, n_layers=40, n_heads=40, vocab_size=32000,
                             multiple_of=256, rope_theta=10000.0, max_seq_len=4096),
     # Mixtral: 8 experts, top-2 softmax routing, 32k vocabulary. mixtral_debug is the debug
-    # model's shape with 8 small experts (CPU tests and recipes/mixtral_debug.toml).
+    # model's shape with 8 small experts (CPU tests and dtrain/recipes/mixtral_debug.toml).
     "mixtral_debug": LlamaArgs(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=4096,
                                rope_theta=1000000.0, max_seq_len=2048, n_experts=8, moe_top_k=2,
                                moe_hidden_size=256, moe_aux_loss_coeff=0.01),

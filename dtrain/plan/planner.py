@@ -125,16 +125,49 @@ def plan(work: Workload, cluster: Cluster, c: Constants = H200) -> list[Candidat
     return fits + out
 
 
-def why_wins(best: Candidate, other: Candidate) -> str:
-    """What makes ``best`` faster than ``other``: the component of the step that differs most."""
-    parts = ("compute", "bubble", "fsdp", "tp", "cp", "ep", "optimizer", "overhead")
-    diffs = {p: getattr(other.time, p) - getattr(best.time, p) for p in parts}
-    name = max(diffs, key=diffs.get)
-    label = {"compute": "less recomputation", "bubble": "a smaller pipeline bubble",
-             "fsdp": "less exposed FSDP communication", "tp": "less TP communication",
-             "cp": "less context-parallel communication", "ep": "less all-to-all traffic",
-             "optimizer": "a smaller optimizer step", "overhead": "fewer micro-batches"}[name]
-    return f"{label} ({diffs[name]:.2f} s/step)"
+_PARTS = ("compute", "bubble", "fsdp", "tp", "cp", "ep", "optimizer", "overhead")
+
+
+def _change(best: Candidate, other: Candidate, part: str) -> str:
+    """How ``part`` of the step differs in ``other`` from ``best``, with the figures."""
+    b, o, bt, ot = best.layout, other.layout, best.time, other.time
+    if part == "compute":
+        if o.ac != b.ac:
+            return f"AC {o.ac} against {b.ac}"
+        return f"compute {ot.compute:.2f} against {bt.compute:.2f} s"
+    if part == "bubble":
+        shares = (100 * ot.bubble / ot.step, 100 * bt.bubble / bt.step)
+        return (f"pipeline bubble {shares[0]:.1f}% against {shares[1]:.1f}% (PP {o.pp} against "
+                f"{b.pp}, {ot.microbatches} micro-batches)")
+    if part == "fsdp":
+        return (f"FSDP/HSDP traffic {ot.traffic.get('fsdp', 0) / 1e9:,.0f} against "
+                f"{bt.traffic.get('fsdp', 0) / 1e9:,.0f} GB/step")
+    if part in ("tp", "cp", "ep"):
+        name, kind = part.upper(), {"tp": "activations", "cp": "K/V exchange",
+                                    "ep": "all-to-all"}[part]
+        degrees = getattr(o, part), getattr(b, part)
+        volumes = ot.traffic.get(part, 0) / 1e9, bt.traffic.get(part, 0) / 1e9
+        if degrees[1] == 1:
+            return f"{name} {degrees[0]} adds {volumes[0]:,.1f} GB/step of {kind}"
+        return (f"{name} {degrees[0]} against {degrees[1]}: {volumes[0]:,.1f} against "
+                f"{volumes[1]:,.1f} GB/step of {kind}")
+    if part == "optimizer":
+        return f"optimizer step {ot.optimizer:.2f} against {bt.optimizer:.2f} s"
+    return f"{ot.microbatches} against {bt.microbatches} micro-batches of fixed overhead"
+
+
+def why_slower(best: Candidate, other: Candidate) -> str:
+    """What ``other`` loses against ``best`` (the step-time part that grows most, with its
+    figures) and, when it gains somewhere, the largest gain."""
+    diffs = {p: getattr(other.time, p) - getattr(best.time, p) for p in _PARTS}
+    lost = max(diffs, key=diffs.get)
+    total = other.time.step - best.time.step
+    text = (f"+{100 * total / best.time.step:.1f}% step time: "
+            f"{_change(best, other, lost)} (+{diffs[lost]:.2f} s)")
+    gained = min(diffs, key=diffs.get)
+    if diffs[gained] < -0.005:
+        text += f"; {_change(best, other, gained)} ({diffs[gained]:.2f} s)"
+    return text
 
 
 def format_plan(cands: list[Candidate], work: Workload, cluster: Cluster, top: int = 10) -> str:
@@ -146,7 +179,7 @@ def format_plan(cands: list[Candidate], work: Workload, cluster: Cluster, top: i
               f"{'mem GiB':>7}  why")
     lines += [header, "-" * len(header)]
     for i, cand in enumerate(fits[:top]):
-        reason = "fastest that fits" if i == 0 else "slower than #1: " + why_wins(fits[0], cand)
+        reason = "fastest that fits" if i == 0 else why_slower(fits[0], cand)
         lines.append(_row(i + 1, cand, reason))
     excluded = [x for x in cands if x.excluded]
     shown = {}
@@ -180,6 +213,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--global-batch", type=int, required=True,
                         help="sequences per optimizer step")
     parser.add_argument("--top", type=int, default=10, help="layouts to print")
+    parser.add_argument("--network-gb-s", type=float, default=H200.network_gb_s,
+                        help="achieved bus bandwidth of collectives across nodes, GB/s per GPU "
+                             "(an assumption: 400 Gb/s InfiniBand per GPU; measure yours with "
+                             "nccl-tests' all_reduce_perf across two nodes)")
+    parser.add_argument("--nvlink-gb-s", type=float, default=H200.nvlink_gb_s,
+                        help="the same inside a node, GB/s per GPU")
     args = parser.parse_args(argv)
     if args.model not in PRESETS:
         print(f"error: unknown model '{args.model}': use one of {', '.join(PRESETS)}",
@@ -187,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     work = Workload(model_args(args.model), args.seq_len, args.global_batch)
     cluster = Cluster(args.gpus, args.gpus_per_node, args.gpu_memory_gb)
-    cands = plan(work, cluster)
+    cands = plan(work, cluster, replace(H200, network_gb_s=args.network_gb_s,
+                                        nvlink_gb_s=args.nvlink_gb_s))
     if not any(not x.excluded for x in cands):
         print(format_plan(cands, work, cluster, args.top))
         print("error: no layout fits: use more GPUs, a shorter sequence or a smaller batch",

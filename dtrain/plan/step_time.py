@@ -5,7 +5,7 @@ hidden behind compute from ``constants``), the pipeline bubble and fixed overhea
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dtrain.parallel.pipeline import ideal_bubble
 from dtrain.plan.constants import H200, Constants
@@ -26,6 +26,9 @@ class TimeEstimate:
     overhead: float
     tokens_per_second: float
     mfu: float
+    microbatches: int = 1
+    traffic: dict[str, float] = field(default_factory=dict)
+    """Bytes each GPU sends per step, by parallelism (``tp``, ``cp``, ``ep``, ``fsdp``)."""
 
 
 def model_flops_per_token(args, seq_len: int) -> float:
@@ -84,6 +87,7 @@ def estimate_time(work: Workload, layout: Layout, gpus_per_node: int = 8,
     h = args.dim
     # Tensor parallel: per block and micro-batch 2 all-gathers and 2 reduce-scatters of the
     # block's activations forward, as many backward (one more pair recomputed under AC).
+    traffic: dict[str, float] = {}
     tp_time = 0.0
     if layout.tp > 1:
         per_collective = _ring(tokens_mb * h * 2, layout.tp) / (tp_bw * 1e9)
@@ -91,6 +95,7 @@ def estimate_time(work: Workload, layout: Layout, gpus_per_node: int = 8,
         if args.n_experts:
             count /= 2  # the MoE keeps tokens sequence-sharded
         tp_time = c.tp_exposed * count * per_collective * layers * m
+        traffic["tp"] = count * _ring(tokens_mb * h * 2, layout.tp) * layers * m
     # Context parallel: K/V around the ring (p2p) or all-to-alls (a2a), per block.
     cp_time = 0.0
     if layout.cp > 1:
@@ -101,12 +106,14 @@ def estimate_time(work: Workload, layout: Layout, gpus_per_node: int = 8,
         else:
             volume = (layout.cp - 1) * tokens_mb * 2 * kv * 2 * 3  # K/V fwd, K/V+dK/dV bwd
         cp_time = c.cp_exposed * volume / (cp_bw * 1e9) * layers * m
+        traffic["cp"] = volume * layers * m
     # Expert parallel: dispatch and combine all-to-alls forward and backward, per MoE block.
     ep_time = 0.0
     if layout.ep > 1:
         ep_bw = _bandwidth(layout.ep, layout.tp, gpus_per_node, c)
         volume = tokens_mb / layout.tp * args.moe_top_k * h * 2 * 4
         ep_time = c.ep_exposed * _ring(volume, layout.ep) / (ep_bw * 1e9) * layers * m
+        traffic["ep"] = _ring(volume, layout.ep) * layers * m
     # FSDP: weights all-gathered forward and backward and gradients reduce-scattered (fp32),
     # every micro-batch; HSDP adds an all-reduce of the gradient shards across replicas.
     fsdp_time = 0.0
@@ -119,10 +126,14 @@ def estimate_time(work: Workload, layout: Layout, gpus_per_node: int = 8,
         bw = shard_bw if layout.dp_shard * layout.cp > 1 else rep_bw
         volume = _ring(stage_params * (2 * weight + 4), over)
         fsdp_time = volume / (bw * 1e9) * m
+        traffic["fsdp"] = volume * m
         if layout.dp_replicate > 1 and layout.dp_shard * layout.cp > 1:
-            fsdp_time += 2 * _ring(stage_params / over * 4, layout.dp_replicate) / (rep_bw * 1e9)
+            replicas = 2 * _ring(stage_params / over * 4, layout.dp_replicate)
+            fsdp_time += replicas / (rep_bw * 1e9)
+            traffic["fsdp"] += replicas
     elif layout.dp_replicate > 1:
-        fsdp_time = 2 * _ring(stage_params * 4, layout.dp_replicate) / (rep_bw * 1e9)
+        traffic["fsdp"] = 2 * _ring(stage_params * 4, layout.dp_replicate)
+        fsdp_time = traffic["fsdp"] / (rep_bw * 1e9)
     fsdp_exposed = max(c.fsdp_exposed * fsdp_time, fsdp_time - compute)
     # Pipeline bubble, and the optimizer step (fused AdamW: ~28 bytes per local parameter).
     bubble = 0.0
@@ -134,4 +145,4 @@ def estimate_time(work: Workload, layout: Layout, gpus_per_node: int = 8,
     step = compute + tp_time + cp_time + ep_time + fsdp_exposed + bubble + optimizer + overhead
     tps = work.global_batch * seq / step / layout.world
     return TimeEstimate(step, compute, bubble, fsdp_exposed, tp_time, cp_time, ep_time,
-                        optimizer, overhead, tps, tps * flops / peak)
+                        optimizer, overhead, tps, tps * flops / peak, m, traffic)
