@@ -33,7 +33,7 @@ from dtrain.metrics import MetricsLogger, StepMetrics
 from dtrain.nonfinite import NonFiniteSteps
 from dtrain.optim import build_lr_scheduler, build_optimizer
 from dtrain.parallel.expert import MoEStats, moe_layers
-from dtrain.parallel.fp8 import ScaleRefresh, UnitScales
+from dtrain.parallel.fp8 import ScaleRefresh, UnitScales, eager_fp8_warning
 from dtrain.parallel.fsdp import AutoReshard, fsdp_units_on_gpu
 from dtrain.parallel.overlap import OverlappedStep, build_update
 from dtrain.parallel.pipeline import Pipeline, ideal_bubble
@@ -214,6 +214,8 @@ class Run:
         logger.info(f"run folder: {self.run_dir} (config.toml: the resolved config)")
         for line in self._feature_lines():
             logger.info(f"  {line}")
+        if warning := eager_fp8_warning(cfg.fp8, cfg.compile.enabled):
+            logger.warning(warning)
 
     def _feature_lines(self) -> list[str]:
         """One line per enabled feature."""

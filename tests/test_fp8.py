@@ -25,7 +25,13 @@ from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 from dtrain import Trainer, load_config
 from dtrain.config import ConfigError, FP8Config
 from dtrain.models import build
-from dtrain.parallel.fp8 import check_fp8, convert_to_fp8, fp8_filter, require_backend
+from dtrain.parallel.fp8 import (
+    check_fp8,
+    convert_to_fp8,
+    eager_fp8_warning,
+    fp8_filter,
+    require_backend,
+)
 from dtrain.parallel.tensor import block_plan
 
 BLOCK_LINEARS = ["attention.wq", "attention.wk", "attention.wv", "attention.wo",
@@ -54,6 +60,24 @@ def test_a_recipe_of_the_other_backend_is_refused(backend, recipe, allowed):
     with pytest.raises(ConfigError, match=rf"^fp8.recipe = '{recipe}' is not a recipe of "
                                           rf"fp8.backend = '{backend}': use one of {allowed}$"):
         load_config(overrides=[f"--fp8.backend={backend}", f"--fp8.recipe={recipe}"])
+
+
+@pytest.mark.parametrize("changes, warns", [
+    ({}, True),  # torchao, eager
+    ({"recipe": "rowwise"}, True),
+    ({"emulate": True}, False),  # for machines without FP8 units: slow by design
+    ({"backend": "te", "recipe": "delayed"}, False),
+    ({"enabled": False}, False),
+])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_torchao_fp8_without_compile_warns_once_and_names_the_fix(changes, warns, compiled):
+    cfg = FP8Config(**{"enabled": True, "backend": "torchao", **changes})
+    warning = eager_fp8_warning(cfg, compiled)
+    if warns and not compiled:
+        assert warning.startswith("warning: fp8 with torchao runs slower than bf16 without "
+                                  "torch.compile") and "set compile.enabled = true" in warning
+    else:
+        assert warning is None
 
 
 def test_unknown_recipe_lists_choices():

@@ -7,7 +7,8 @@
 #   sudo tools/slurm/local_cluster.sh /tmp/slurm stop
 #
 # This machine is the controller and the one compute node, with its CPUs and memory as slurmd
-# reads them; jobs may be requeued (the preemption path of dtrain.sbatch).
+# reads them; jobs may be requeued (the preemption path of dtrain.sbatch) and start again about
+# 10 s after.
 set -euo pipefail
 dir=$(realpath -m "${1:?usage: local_cluster.sh DIR [stop]}")
 if [ "${2:-}" = stop ]; then
@@ -18,14 +19,17 @@ if [ "${2:-}" = stop ]; then
 fi
 mkdir -p "$dir/state" "$dir/spool" "$dir/log"
 host=$(hostname -s)
-node=$(slurmd -C | head -n1 | sed "s/^NodeName=[^ ]*/NodeName=$host/")
+# This machine by name and at the loopback address, whether or not its name resolves.
+node=$(slurmd -C | head -n1 | sed "s/^NodeName=[^ ]*/NodeName=$host NodeAddr=127.0.0.1/")
 cat > "$dir/slurm.conf" <<CONF
 ClusterName=local
-SlurmctldHost=$host
+SlurmctldHost=$host(127.0.0.1)
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
+# A requeued job starts once its old credential expires (default 120 s): 10 s here.
+AuthInfo=cred_expire=10
 StateSaveLocation=$dir/state
 SlurmdSpoolDir=$dir/spool
 SlurmctldPidFile=$dir/slurmctld.pid
@@ -36,6 +40,7 @@ ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 MpiDefault=none
 SchedulerType=sched/backfill
+SchedulerParameters=bf_interval=5
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 ReturnToService=2
