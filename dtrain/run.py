@@ -34,6 +34,7 @@ from dtrain.nonfinite import NonFiniteSteps
 from dtrain.optim import build_lr_scheduler, build_optimizer
 from dtrain.parallel.expert import MoEStats, moe_layers
 from dtrain.parallel.fp8 import ScaleRefresh, UnitScales, eager_fp8_warning
+from dtrain.parallel.fp8_step_cast import StepWeightCast, step_cast_linears
 from dtrain.parallel.fsdp import AutoReshard, fsdp_units_on_gpu
 from dtrain.parallel.overlap import OverlappedStep, build_update
 from dtrain.parallel.pipeline import Pipeline, ideal_bubble
@@ -157,10 +158,18 @@ class Run:
             MoEStats(moe, args.n_layers, args.n_experts, groups, cfg.model.moe_bias_update_rate,
                      skip_first=self.pipeline is not None) if moe else None,
             ScaleRefresh(self.model_parts) if self.fp8_all_gather and not overlap else None,
+            self._step_weight_cast(),
             AutoReshard(self.model, self.device, cfg.parallel.fsdp_auto_memory_fraction,
                         self.compute_dtype)
             if cfg.parallel.fsdp_reshard_after_forward == "auto" and units_on_gpu else None,
         ])
+
+    def _step_weight_cast(self) -> StepWeightCast | None:
+        fp8 = self.config.fp8
+        if not (fp8.enabled and fp8.backend == "torchao" and fp8.cast_weights_once_per_step):
+            return None
+        linears = step_cast_linears(self.model_parts)
+        return StepWeightCast(linears) if linears else None
 
     def _build_reporting(self) -> None:
         cfg, tcfg = self.config, self.config.training

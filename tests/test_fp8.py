@@ -25,6 +25,7 @@ from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 from dtrain import Trainer, load_config
 from dtrain.config import ConfigError, FP8Config
 from dtrain.models import build
+from dtrain.parallel import fp8_step_cast
 from dtrain.parallel.fp8 import (
     check_fp8,
     convert_to_fp8,
@@ -32,6 +33,7 @@ from dtrain.parallel.fp8 import (
     fp8_filter,
     require_backend,
 )
+from dtrain.parallel.fp8_step_cast import step_cast_linears
 from dtrain.parallel.tensor import block_plan
 
 BLOCK_LINEARS = ["attention.wq", "attention.wk", "attention.wv", "attention.wo",
@@ -392,3 +394,69 @@ def test_fp8_model_loss_follows_fp32():
     assert fp8_losses == pytest.approx(fp32_losses, rel=5e-3)
     assert fp8_losses != fp32_losses
     assert fp8_losses[-1] < fp8_losses[0] - 1.0
+
+
+# ---- FP8 weights cast once per step --------------------------------------------------------
+
+STEP_CAST = {"fp8.enabled": True, "fp8.emulate": True, "training.device": "cpu",
+             "model.n_layers": 2, "training.seq_len": 64, "training.global_batch_size": 4,
+             "training.micro_batch_size": 1, "training.steps": 3, "metrics.log_every": 1,
+             "metrics.tensorboard": False}
+
+
+def test_the_step_s_fp8_weight_is_a_fresh_cast_at_every_micro_batch_bit_for_bit(tmp_path):
+    from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
+    from torchao.float8.float8_training_tensor import GemmInputRole
+
+    trainer = Trainer(load_config("debug", {**STEP_CAST, "job.output_dir": str(tmp_path)}))
+    linears = step_cast_linears(trainer.model_parts)
+    assert len(linears) == 2 * 7  # q, k, v, o and the three feed-forward matmuls per block
+    compared = []
+
+    def compare(module, args):  # what torchao's forward would cast now, against the step's
+        fresh = hp_tensor_to_float8_dynamic(module.weight.t(), torch.float8_e4m3fn,
+                                            module.linear_mm_config,
+                                            gemm_input_role=GemmInputRole.WEIGHT)
+        reused = module._step_fp8_weight_t
+        assert torch.equal(reused._data.view(torch.uint8), fresh._data.view(torch.uint8))
+        assert torch.equal(reused._scale, fresh._scale) and reused.shape == fresh.shape
+        compared.append(module)
+
+    for linear in linears:
+        linear.register_forward_pre_hook(compare)
+    trainer.train()
+    assert len(compared) == len(linears) * 4 * 3  # every layer, micro-batch and step
+
+
+def test_casting_once_per_step_trains_exactly_as_casting_in_every_micro_batch(tmp_path,
+                                                                             monkeypatch):
+    from torchao.float8 import float8_linear
+    from torchao.float8.float8_training_tensor import GemmInputRole
+
+    runs = {}
+    for once in (True, False):
+        trainer = Trainer(load_config("debug", {
+            **STEP_CAST, "fp8.cast_weights_once_per_step": once,
+            "job.output_dir": str(tmp_path / str(once))}))
+        step_casts, torchao_casts = [], []
+        cast, dynamic = fp8_step_cast.cast_weight_t, float8_linear.hp_tensor_to_float8_dynamic
+        monkeypatch.setattr(fp8_step_cast, "cast_weight_t", lambda linear, cast=cast,
+                            seen=step_casts: seen.append(1) or cast(linear))
+
+        def torchao_cast(tensor, *args, dynamic=dynamic, seen=torchao_casts, **kwargs):
+            if kwargs.get("gemm_input_role") is GemmInputRole.WEIGHT:
+                seen.append(1)
+            return dynamic(tensor, *args, **kwargs)
+
+        monkeypatch.setattr(float8_linear, "hp_tensor_to_float8_dynamic", torchao_cast)
+        history = trainer.train()
+        monkeypatch.undo()
+        runs[once] = (history, [p.detach().clone() for p in trainer.model.parameters()],
+                      len(step_casts), len(torchao_casts))
+    (once, weights_once, *casts_once), (each, weights_each, *casts_each) = runs[True], runs[False]
+    # 14 layers, 3 steps, 4 micro-batches: one cast per layer and step, against torchao's two
+    # (forward and input gradient) per layer and micro-batch.
+    assert casts_once == [14 * 3, 0] and casts_each == [0, 14 * 3 * 4 * 2]
+    assert [(r["loss"], r["grad_norm"]) for r in once] == \
+        [(r["loss"], r["grad_norm"]) for r in each]
+    assert all(torch.equal(a, b) for a, b in zip(weights_once, weights_each, strict=True))

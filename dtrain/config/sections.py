@@ -294,6 +294,10 @@ class FP8Config:
     fused_weight_cast: bool = True
     """With FP8 all-gather: cast each weight shard to FP8 in one compiled kernel (the same bytes
     as torchao's three eager kernels; replaces torchao's method for the whole process)."""
+    cast_weights_once_per_step: bool = True
+    """torchao tensorwise, weights whole on each rank (no FSDP nor TP): cast each weight to FP8
+    once per optimizer step and use it in every micro-batch's forward and backward (the same
+    bits as a cast in each; costs 1 byte per converted parameter for the step)."""
     emulate: bool = False
     """torchao only: compute the FP8 matmuls in high precision, so the FP8 path (casts, scales,
     FP8 all-gather) runs on any device, the CPU included; for testing, not for speed."""

@@ -1,0 +1,93 @@
+"""FP8 weights cast once per optimizer step (``fp8.cast_weights_once_per_step``).
+
+torchao's ``Float8Linear`` casts its weight to FP8 in every forward, and again for the input
+gradient in every backward: under gradient accumulation, twice per micro-batch, each cast a read
+of the fp32 weight for its absolute maximum and another for the cast. The weights do not change
+inside a step, so ``StepWeightCast`` casts each one once, before the step's first micro-batch,
+and every forward and backward of the step uses that FP8 weight (torchao's matmul takes an
+already-cast weight as it is). Its gradient reaches the fp32 weight through the cast, whose
+backward passes it on unchanged: the gradients accumulate as they did. The FP8 bits and scale
+are torchao's own cast's (tensorwise scaling), so the step computes the same numbers.
+
+For torchao tensorwise on weights that are whole tensors on each rank (one GPU, data parallel
+without FSDP, pipeline stages); under FSDP with FP8 all-gather the weights arrive cast already.
+Costs the FP8 copy of the converted weights (1 byte per parameter) for the step.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from dtrain.hooks import StepHook
+
+
+def _forward(self, input: torch.Tensor) -> torch.Tensor:
+    """``Float8Linear.forward`` with the step's FP8 weight where there is one (training), else
+    torchao's own (evaluation, or before the first step)."""
+    weight_t = self._step_fp8_weight_t
+    if weight_t is None or not torch.is_grad_enabled():
+        return type(self).forward(self, input)
+    from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
+
+    if torch.is_autocast_enabled():  # as torchao's forward: the input in the autocast dtype
+        input = input.to(torch.get_autocast_gpu_dtype())
+    output = matmul_with_hp_or_float8_args.apply(input, weight_t, self.linear_mm_config,
+                                                 self.config)
+    if self.bias is not None:
+        output = output + self.bias.to(output.dtype)
+    return output
+
+
+def cast_weight_t(linear: nn.Module) -> torch.Tensor:
+    """The transposed FP8 weight of a torchao ``Float8Linear`` as its forward would cast it:
+    torchao's scale (computed without autograd: nothing flows back through it) and torchao's
+    differentiable cast."""
+    from torchao.float8.float8_scaling_utils import hp_tensor_and_scale_to_float8
+    from torchao.float8.float8_training_tensor import GemmInputRole
+    from torchao.float8.float8_utils import tensor_to_scale
+
+    cast = linear.config.cast_config_weight
+    with torch.no_grad():
+        scale = tensor_to_scale(linear.weight, cast.target_dtype,
+                                scaling_granularity=cast.scaling_granularity,
+                                round_scales_to_power_of_2=linear.config.round_scales_to_power_of_2)
+    return hp_tensor_and_scale_to_float8(linear.weight, scale, cast.target_dtype,
+                                         linear.linear_mm_config, GemmInputRole.WEIGHT).t()
+
+
+def step_cast_linears(model_parts: Sequence[nn.Module]) -> list[nn.Module]:
+    """The torchao ``Float8Linear`` layers of ``model_parts`` whose weight is a whole tensor
+    (not a DTensor shard) with tensorwise scaling: those ``StepWeightCast`` can serve."""
+    from torch.distributed.tensor import DTensor
+    from torchao.float8.config import ScalingGranularity
+    from torchao.float8.float8_linear import Float8Linear
+
+    return [m for part in model_parts for m in part.modules()
+            if isinstance(m, Float8Linear) and not isinstance(m.weight, DTensor)
+            and m.config.cast_config_weight.scaling_granularity is ScalingGranularity.TENSORWISE
+            and m.config.cast_config_weight_for_grad_input.scaling_granularity
+            is ScalingGranularity.TENSORWISE]
+
+
+class StepWeightCast(StepHook):
+    """Casts the FP8 weights of ``linears`` before each step; the step's forwards and backwards
+    use them; they are dropped before the update (their values would be stale after it)."""
+
+    def __init__(self, linears: Sequence[nn.Module]):
+        self.linears = list(linears)
+        for linear in self.linears:
+            linear._step_fp8_weight_t = None
+            linear.forward = types.MethodType(_forward, linear)
+
+    def before_step(self) -> None:
+        with torch.enable_grad():
+            for linear in self.linears:
+                linear._step_fp8_weight_t = cast_weight_t(linear)
+
+    def before_update(self) -> None:
+        for linear in self.linears:
+            linear._step_fp8_weight_t = None
