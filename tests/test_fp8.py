@@ -404,11 +404,20 @@ STEP_CAST = {"fp8.enabled": True, "fp8.emulate": True, "training.device": "cpu",
              "metrics.tensorboard": False}
 
 
-def test_the_step_s_fp8_weight_is_a_fresh_cast_at_every_micro_batch_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("device", [
+    "cpu",  # emulated FP8, the cast's eager kernels
+    pytest.param("cuda", marks=pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+        reason="needs a GPU with FP8 (the compiled cast); its output is in docs/benchmarks.md")),
+])
+def test_the_step_s_fp8_weight_is_a_fresh_cast_at_every_micro_batch_bit_for_bit(tmp_path,
+                                                                                 device):
     from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
     from torchao.float8.float8_training_tensor import GemmInputRole
 
-    trainer = Trainer(load_config("debug", {**STEP_CAST, "job.output_dir": str(tmp_path)}))
+    trainer = Trainer(load_config("debug", {**STEP_CAST, "training.device": device,
+                                            "fp8.emulate": device == "cpu",
+                                            "job.output_dir": str(tmp_path)}))
     linears = step_cast_linears(trainer.model_parts)
     assert len(linears) == 2 * 7  # q, k, v, o and the three feed-forward matmuls per block
     compared = []

@@ -42,21 +42,46 @@ def _forward(self, input: torch.Tensor) -> torch.Tensor:
     return output
 
 
-def cast_weight_t(linear: nn.Module) -> torch.Tensor:
-    """The transposed FP8 weight of a torchao ``Float8Linear`` as its forward would cast it:
-    torchao's scale (computed without autograd: nothing flows back through it) and torchao's
-    differentiable cast."""
-    from torchao.float8.float8_scaling_utils import hp_tensor_and_scale_to_float8
-    from torchao.float8.float8_training_tensor import GemmInputRole
-    from torchao.float8.float8_utils import tensor_to_scale
+def _scale_and_cast(weight: torch.Tensor, dtype: torch.dtype,
+                    round_scales_to_power_of_2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """torchao's tensorwise scale of ``weight`` and its FP8 bits (``tensor_to_scale``, then
+    ``hp_tensor_and_scale_to_float8``'s arithmetic: scale in fp32, saturate, convert)."""
+    from torchao.float8.float8_utils import tensor_to_scale, to_fp8_saturated
 
+    scale = tensor_to_scale(weight, dtype,
+                            round_scales_to_power_of_2=round_scales_to_power_of_2)
+    return to_fp8_saturated(weight.to(torch.float32) * scale, dtype), scale
+
+
+# On the GPU one reduction and one pointwise kernel per weight; eager kernels elsewhere.
+_compiled_scale_and_cast = torch.compile(_scale_and_cast, fullgraph=True, dynamic=False)
+
+
+class _Cast(torch.autograd.Function):
+    """The FP8 weight as a differentiable function of the weight: the gradient passes on
+    unchanged (as through torchao's cast)."""
+
+    @staticmethod
+    def forward(ctx, weight, bits, scale, linear_mm_config):
+        from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole
+
+        return Float8TrainingTensor(bits, scale, weight.dtype, linear_mm_config=linear_mm_config,
+                                    gemm_input_role=GemmInputRole.WEIGHT)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None, None
+
+
+def cast_weight_t(linear: nn.Module) -> torch.Tensor:
+    """The transposed FP8 weight of a torchao ``Float8Linear``, the bits and scale its forward
+    would cast (tensorwise), differentiable with respect to the weight."""
     cast = linear.config.cast_config_weight
+    scale_and_cast = _compiled_scale_and_cast if linear.weight.is_cuda else _scale_and_cast
     with torch.no_grad():
-        scale = tensor_to_scale(linear.weight, cast.target_dtype,
-                                scaling_granularity=cast.scaling_granularity,
-                                round_scales_to_power_of_2=linear.config.round_scales_to_power_of_2)
-    return hp_tensor_and_scale_to_float8(linear.weight, scale, cast.target_dtype,
-                                         linear.linear_mm_config, GemmInputRole.WEIGHT).t()
+        bits, scale = scale_and_cast(linear.weight, cast.target_dtype,
+                                     linear.config.round_scales_to_power_of_2)
+    return _Cast.apply(linear.weight, bits, scale, linear.linear_mm_config).t()
 
 
 def step_cast_linears(model_parts: Sequence[nn.Module]) -> list[nn.Module]:
