@@ -34,7 +34,7 @@ def _forward(self, input: torch.Tensor) -> torch.Tensor:
     from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
 
     if torch.is_autocast_enabled():  # as torchao's forward: the input in the autocast dtype
-        input = input.to(torch.get_autocast_gpu_dtype())
+        input = input.to(torch.get_autocast_dtype("cuda"))
     output = matmul_with_hp_or_float8_args.apply(input, weight_t, self.linear_mm_config,
                                                  self.config)
     if self.bias is not None:
