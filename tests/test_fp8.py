@@ -469,3 +469,23 @@ def test_casting_once_per_step_trains_exactly_as_casting_in_every_micro_batch(tm
     assert [(r["loss"], r["grad_norm"]) for r in once] == \
         [(r["loss"], r["grad_norm"]) for r in each]
     assert all(torch.equal(a, b) for a, b in zip(weights_once, weights_each, strict=True))
+
+
+@pytest.mark.parametrize("fp8_enabled", [True, False])
+def test_fp8_blocks_compile_without_mix_order_reductions(monkeypatch, fp8_enabled, tmp_path):
+    from dtrain.build import build_model
+    from dtrain.parallel import ParallelDims
+
+    compiles = []
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn=None, **kw: compiles.append(kw) or real(
+        fn, **kw))
+    cfg = load_config("debug", {"fp8.enabled": fp8_enabled, "fp8.emulate": True,
+                                "compile.enabled": True, "model.n_layers": 2,
+                                "job.output_dir": str(tmp_path)})
+    dims = ParallelDims.from_config(cfg.parallel, 1)
+    build_model(cfg, dims, None, "cpu", 4096, 1)
+    blocks = [kw for kw in compiles if "fullgraph" in kw]
+    assert len(blocks) == 2
+    expected = {"triton.mix_order_reduction": False} if fp8_enabled else None
+    assert all(kw["options"] == expected for kw in blocks)

@@ -8,7 +8,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from dtrain.config import ActivationCheckpointConfig, CompileConfig, FP8Config, ParallelConfig
 from dtrain.models.llama import Transformer
 from dtrain.parallel.activation_checkpoint import apply_activation_checkpointing
-from dtrain.parallel.compile import apply_compile
+from dtrain.parallel.compile import apply_compile, inductor_options
 from dtrain.parallel.context import apply_cp
 from dtrain.parallel.dims import ParallelDims
 from dtrain.parallel.expert import apply_ep
@@ -42,7 +42,8 @@ def parallelize(model: Transformer, dims: ParallelDims, mesh: DeviceMesh | None,
     apply_activation_checkpointing(model, ac)
     if compile.enabled:
         # MoE layers read their expert counts on the host (loop or all-to-all splits).
-        apply_compile(model, fullgraph=not model.args.n_experts)
+        apply_compile(model, fullgraph=not model.args.n_experts,
+                      options=inductor_options(fp8 is not None and fp8.enabled))
     if mesh is not None and dims.fsdp_enabled:
         reduce_dtype = torch.float32 if parallel.fsdp_reduce_dtype == "fp32" else torch.bfloat16
         apply_fsdp(model, dims.fsdp_mesh(), param_dtype, reduce_dtype,
