@@ -60,9 +60,10 @@ def init_distributed(device: torch.device, cpu_collectives: bool = False,
         backend = ("cuda:nccl,cpu:gloo" if cpu_collectives else "nccl") if use_cuda else "gloo"
         timeout = datetime.timedelta(seconds=timeout_s)
         store = _attempt_store(timeout)
+        given = {"store": store, "rank": int(os.environ["RANK"]), "world_size": world_size()} \
+            if store is not None else {}
         dist.init_process_group(backend, device_id=device if use_cuda else None, timeout=timeout,
-                                store=store, rank=int(os.environ["RANK"]) if store else -1,
-                                world_size=world_size() if store else -1)
+                                **given)
     rank = dist.get_rank() if dist.is_initialized() else 0
     return rank, world_size()
 

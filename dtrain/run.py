@@ -259,7 +259,7 @@ class Run:
         if cfg.validation.enabled:
             lines.append(f"validation: every {cfg.validation.interval} steps, "
                          f"{cfg.validation.steps} batches")
-        if cfg.metrics.tensorboard and self.rank == 0:
+        if cfg.metrics.tensorboard:
             lines.append(f"tensorboard --logdir {self.run_dir / 'tb'}")
         return lines
 

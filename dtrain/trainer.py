@@ -106,7 +106,7 @@ class Trainer(Run):
             self.watchdog.stop()
             self.wait_for_update()  # the weights are the last step's for whatever reads them
             self._pause()
-        if self.step == self.config.training.steps:
+        if self.step == self.config.training.steps and self.rank == 0:  # it lists rank 0's folder
             logger.info(self.metrics.done_line(self.step, self.history, self.run_dir))
         return self.history
 

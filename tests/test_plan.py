@@ -168,18 +168,19 @@ def test_planner_cli_prints_ranked_layouts(capsys):
 def test_each_why_says_what_the_layout_loses_against_the_first_with_its_figures():
     work, cluster = Workload(model_args("llama3_8b"), 32768, 64), Cluster(8, 8, 80.0)
     fits = [c for c in plan(work, cluster) if not c.excluded]
-    best = fits[0]
+    best, more_cp = fits[0], 0
     for other in fits[1:12]:
         why = why_slower(best, other)
         pct = 100 * (other.time.step - best.time.step) / best.time.step
         assert why.startswith(f"+{pct:.1f}% step time: "), why
         if other.layout.cp > best.layout.cp and "K/V" in why:
+            more_cp += 1
             # The layout with more context parallelism is said to exchange more, not less.
             assert f"CP {other.layout.cp} against {best.layout.cp}: " in why
             volumes = [float(v.replace(",", "")) for v in
                        re.findall(r"([\d,.]+) against ([\d,.]+) GB/step of K/V", why)[0]]
             assert volumes[0] > volumes[1]
-    assert any("K/V exchange" in why_slower(best, o) for o in fits[1:12])
+    assert more_cp  # the case the issue saw: CP 8 against CP 4
 
 
 def test_a_slower_network_makes_layouts_across_nodes_slower(capsys):
