@@ -190,3 +190,81 @@ def test_expert_parallel_weights_trace_under_compile():
         torch.testing.assert_close(out, looped_swiglu(x, counts, *plain))
     finally:
         dist.destroy_process_group()
+
+
+def autograd_nodes(out: torch.Tensor) -> set[str]:
+    """The names of the autograd nodes ``out`` was computed through."""
+    seen, todo = set(), [out.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is not None and node not in seen:
+            seen.add(node)
+            todo += [f for f, _ in node.next_functions]
+    return {type(node).__name__ for node in seen}
+
+
+def test_experts_under_autocast_take_stacked_weights_with_the_per_expert_gradients():
+    # fp32 weights under bf16 autocast (one device, no FSDP): the routed tokens and each stacked
+    # weight are cast whole, so the grouped GEMM runs (it once fell back to the per-expert loop,
+    # whose autocast casts each w[e] and sums the gradients through a select per expert). The
+    # result and the gradients are those of the per-expert casts.
+    x = torch.randn(10, 16)
+    results = {}
+    for path in ("per_expert_casts", "grouped", "loop"):
+        layer = moe(aux_loss_coeff=0.01)
+        e = layer.experts
+        if path == "per_expert_casts":  # autocast casting each expert's slice, as before
+            e.forward = lambda rows, counts: looped_swiglu(rows, counts, e.w1, e.w2, e.w3)
+        else:
+            e.gemm = path
+        rows = []
+        e.register_forward_pre_hook(lambda module, args: rows.append(args[0].dtype))
+        xin = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = layer(xin)
+        # bf16 rows: what grouped_mm_available needs to pick the grouped GEMM on CUDA
+        assert rows == [torch.bfloat16]
+        nodes = autograd_nodes(out)
+        out.backward(torch.linspace(-1, 1, out.numel()).view_as(out))
+        results[path] = (out, xin.grad, e.w1.grad, e.w2.grad, e.w3.grad)
+        assert out.dtype == torch.float32 and e.w1.grad.dtype == torch.float32
+        if path == "grouped":
+            assert "SelectBackward0" not in nodes
+    for path in ("grouped", "loop"):
+        for got, want in zip(results[path], results["per_expert_casts"]):
+            torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-3)
+    for got, want in zip(results["loop"], results["per_expert_casts"]):
+        assert torch.equal(got, want)  # the same bf16 products: casts commute with selects
+
+
+def host_syncs(layer: MoE, x: torch.Tensor) -> list[str]:
+    """The device-to-host reads in the forward and backward graphs of ``layer`` on ``x`` under
+    bf16 autocast, traced whole by torch.compile (AOT autograd, without Inductor)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    found = []
+
+    def capture(gm, example_inputs):
+        found.extend(str(n.target) for n in gm.graph.nodes
+                     if n.op == "call_function" and "_local_scalar_dense" in str(n.target))
+        return make_boxed_func(gm)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True,
+                             backend=aot_autograd(fw_compiler=capture, bw_compiler=capture))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = compiled(x)
+    out.backward(torch.ones_like(out))
+    return found
+
+
+@pytest.mark.parametrize("capacity_factor", [0.0, 1.0], ids=["dropless", "capacity"])
+def test_grouped_moe_layer_reads_nothing_on_the_host(capacity_factor):
+    # The router, permutation, aux loss and grouped GEMMs stay on the device; the loop, which
+    # reads the expert counts, is the control that shows the reads are seen.
+    x = torch.randn(12, 16, requires_grad=True)
+    grouped = moe(aux_loss_coeff=0.01, capacity_factor=capacity_factor, gemm="grouped")
+    looped = moe(aux_loss_coeff=0.01, capacity_factor=capacity_factor, gemm="loop")
+    assert host_syncs(grouped, x) == []
+    assert len(host_syncs(looped, x)) >= 1

@@ -18,7 +18,10 @@ A token's hidden state goes to ``top_k`` of ``n_experts`` SwiGLU experts chosen 
   dropped (they contribute nothing from that expert; the residual stream carries them on).
 - Experts are three ``[n_experts, ...]`` parameters (``w1``, ``w3``: ``[E, hidden, dim]``,
   ``w2``: ``[E, dim, hidden]``), computed on tokens sorted by expert with one grouped GEMM per
-  matrix (``torch._grouped_mm``; bf16 on CUDA sm90+) or a loop over experts elsewhere.
+  matrix (``torch._grouped_mm``; bf16 on CUDA sm90+) or a loop over experts elsewhere. They
+  compute in the compute dtype (autocast's under autocast): the routed tokens and each stacked
+  weight are cast whole, once per forward, so each weight's gradient is one stacked tensor from
+  the grouped GEMM's backward (no per-expert ``select`` in autograd, no host sync).
 """
 
 from __future__ import annotations
@@ -38,6 +41,13 @@ def grouped_mm_available(x: torch.Tensor) -> bool:
     """Whether ``torch._grouped_mm`` has a fast kernel for ``x``: bf16 on CUDA sm90 or newer."""
     return (hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16
             and torch.cuda.get_device_capability(x.device) >= (9, 0))
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the matmuls of ``x`` run in: autocast's where autocast is on, else ``x``'s."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
 
 
 def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
@@ -66,7 +76,8 @@ def looped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: t
 
 class GroupedExperts(nn.Module):
     """``n_experts`` SwiGLU feed-forwards stored as ``[n_experts, ...]`` parameters. Input: tokens
-    sorted by expert and the count per expert; output: each token's expert output, same order."""
+    sorted by expert and the count per expert; output: each token's expert output, same order,
+    in ``x``'s dtype (the compute dtype: the weights are cast to it, each as one tensor)."""
 
     def __init__(self, dim: int, hidden: int, n_experts: int, gemm: str = "auto"):
         super().__init__()
@@ -76,7 +87,9 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim))
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        w1, w2, w3 = local(self.w1), local(self.w2), local(self.w3)
+        # Whole stacked casts (fp32 weights under autocast): their backward is one cast of the
+        # stacked gradient, where autocast would cast each expert's slice inside the loop.
+        w1, w2, w3 = (local(w).to(x.dtype) for w in (self.w1, self.w2, self.w3))
         grouped = self.gemm == "grouped" or (self.gemm == "auto" and grouped_mm_available(x))
         return (grouped_swiglu if grouped else looped_swiglu)(x, counts, w1, w2, w3)
 
@@ -209,7 +222,8 @@ class MoE(nn.Module):
             order = torch.argsort(torch.where(kept, expert, self.n_experts), stable=True)
             kept_sorted = kept[order]
         token = order // k
-        out = self.experts(x[token], counts)
+        # Gathered, then cast: the backward sums each token's k gradients in x's dtype.
+        out = self.experts(x[token].to(compute_dtype(x)), counts)
         gate = weights.flatten()[order].unsqueeze(1)
         if self.capacity_factor > 0:  # dropped rows (last) hold no expert output
             out = torch.where(kept_sorted.unsqueeze(1), out, 0.0)
