@@ -138,7 +138,7 @@ class BuiltModel:
     num_params: int
     flops_per_token: int
     compute_dtype: torch.dtype
-    fp8_layers: tuple[list[str], list[str]] | None
+    fp8_layers: tuple[list[str], list[str], list[str]] | None
     fp8_all_gather: bool
 
 

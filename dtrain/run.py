@@ -245,11 +245,13 @@ class Run:
         if self.dims.cp > 1:
             lines.append(f"context parallel: cp {self.dims.cp}, {cfg.parallel.cp_comm_type}")
         if self.fp8_layers is not None:
-            converted, kept = self.fp8_layers
+            converted, kept, experts = self.fp8_layers
             lines.append(f"fp8: {cfg.fp8.backend} {cfg.fp8.recipe}"
                          f"{' with FP8 all-gather' if self.fp8_all_gather else ''} | "
                          f"{len(converted)} linear layers in FP8, {len(kept)} kept "
-                         f"({', '.join(kept[:4])}{', ...' if len(kept) > 4 else ''})")
+                         f"({', '.join(kept[:4])}{', ...' if len(kept) > 4 else ''})"
+                         + (f" | the experts of {len(experts)} MoE layers in FP8 (rowwise)"
+                            if experts else ""))
         if cfg.compile.enabled:
             lines.append("torch.compile: each block and the loss")
         if (mode := cfg.activation_checkpoint.mode) != "none":

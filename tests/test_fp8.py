@@ -98,7 +98,7 @@ def test_filter_defaults_to_the_output_layer_and_takes_a_list_from_the_cli():
 
 def test_conversion_on_meta_converts_every_block_linear_and_keeps_the_output():
     model = build("llama3_debug", device="meta")
-    converted, kept = convert_to_fp8(model, fp8(), fsdp=False)
+    converted, kept, _ = convert_to_fp8(model, fp8(), fsdp=False)
     expected = [f"layers.{i}.{name}" for i in range(4) for name in BLOCK_LINEARS]
     assert sorted(converted) == sorted(expected) and kept == ["output"]
     for name, module in model.named_modules():
@@ -144,7 +144,7 @@ class Toy(nn.Module):
 ])
 def test_filter_keeps_named_odd_sized_and_tied_layers(filter_fqns, kept):
     model = Toy()
-    converted, kept_got = convert_to_fp8(model, fp8(filter_fqns=filter_fqns), fsdp=False)
+    converted, kept_got, _ = convert_to_fp8(model, fp8(filter_fqns=filter_fqns), fsdp=False)
     always_kept = ["odd_in", "odd_out", "tied"]
     assert sorted(kept_got) == sorted(kept + always_kept)
     assert sorted(converted) == sorted(
@@ -297,7 +297,7 @@ def test_emulated_fp8_trains_on_the_cpu_and_is_torchao_only(tmp_path):
         "fp8.enabled": True, "fp8.emulate": True, "training.device": "cpu", "model.n_layers": 1,
         "training.steps": 2, "metrics.log_every": 1, "metrics.tensorboard": False,
         "job.output_dir": str(tmp_path)}))
-    converted, _ = trainer.fp8_layers
+    converted, _, _ = trainer.fp8_layers
     assert "layers.0.attention.wq" in converted
     assert isinstance(trainer.model.get_submodule("layers.0.attention.wq"), Float8Linear)
     losses = [record["loss"] for record in trainer.train()]

@@ -214,11 +214,11 @@ def test_experts_under_autocast_take_stacked_weights_with_the_per_expert_gradien
         layer = moe(aux_loss_coeff=0.01)
         e = layer.experts
         if path == "per_expert_casts":  # autocast casting each expert's slice, as before
-            e.forward = lambda rows, counts: looped_swiglu(rows, counts, e.w1, e.w2, e.w3)
+            e.forward = lambda rows, counts, e=e: looped_swiglu(rows, counts, e.w1, e.w2, e.w3)
         else:
             e.gemm = path
         rows = []
-        e.register_forward_pre_hook(lambda module, args: rows.append(args[0].dtype))
+        e.register_forward_pre_hook(lambda module, args, rows=rows: rows.append(args[0].dtype))
         xin = x.clone().requires_grad_()
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out = layer(xin)
@@ -231,9 +231,9 @@ def test_experts_under_autocast_take_stacked_weights_with_the_per_expert_gradien
         if path == "grouped":
             assert "SelectBackward0" not in nodes
     for path in ("grouped", "loop"):
-        for got, want in zip(results[path], results["per_expert_casts"]):
+        for got, want in zip(results[path], results["per_expert_casts"], strict=True):
             torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-3)
-    for got, want in zip(results["loop"], results["per_expert_casts"]):
+    for got, want in zip(results["loop"], results["per_expert_casts"], strict=True):
         assert torch.equal(got, want)  # the same bf16 products: casts commute with selects
 
 

@@ -298,6 +298,10 @@ class FP8Config:
     """torchao tensorwise, weights whole on each rank (no FSDP nor TP): cast each weight to FP8
     once per optimizer step and use it in every micro-batch's forward and backward (the same
     bits as a cast in each; costs 1 byte per converted parameter for the step)."""
+    experts: bool = True
+    """torchao: the MoE experts' grouped GEMMs in FP8 too (rowwise scales whatever the recipe,
+    torchao's FP8 grouped matmul; each expert's tokens padded to a multiple of 16 on the
+    device). Transformer Engine leaves the experts in bf16."""
     emulate: bool = False
     """torchao only: compute the FP8 matmuls in high precision, so the FP8 path (casts, scales,
     FP8 all-gather) runs on any device, the CPU included; for testing, not for speed."""

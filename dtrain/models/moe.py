@@ -82,11 +82,16 @@ class GroupedExperts(nn.Module):
     def __init__(self, dim: int, hidden: int, n_experts: int, gemm: str = "auto"):
         super().__init__()
         self.gemm = gemm  # auto (grouped where fast), grouped, loop
+        # Set from outside to replace the SwiGLU, called as ``swiglu(x, counts, w1, w2, w3)``
+        # with the weights as stored (FP8: dtrain.parallel.fp8_experts).
+        self.swiglu: Callable[..., torch.Tensor] | None = None
         self.w1 = nn.Parameter(torch.empty(n_experts, hidden, dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim))
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        if self.swiglu is not None:
+            return self.swiglu(x, counts, local(self.w1), local(self.w2), local(self.w3))
         # Whole stacked casts (fp32 weights under autocast): their backward is one cast of the
         # stacked gradient, where autocast would cast each expert's slice inside the loop.
         w1, w2, w3 = (local(w).to(x.dtype) for w in (self.w1, self.w2, self.w3))

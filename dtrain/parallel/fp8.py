@@ -12,6 +12,9 @@ step (``precompute_fp8_scales``); under TP its activations are cast before the a
 Transformer Engine (``fp8.backend = "te"``): ``nn.Linear`` becomes ``te.Linear`` and each forward
 of the model runs under ``te.fp8_autocast`` with the delayed or current scaling recipe.
 
+With torchao, the MoE experts' grouped GEMMs run in FP8 as well (``fp8.experts``: rowwise
+scales, ``dtrain.parallel.fp8_experts``); Transformer Engine leaves them in bf16.
+
 Layers stay in bf16 when their name matches ``fp8.filter_fqns`` (the output projection by
 default), when their dimensions are not multiples of 16 (FP8 matmuls need them), or when their
 weight is shared with another module (a tied output layer).
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import functools
 import types
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -125,29 +129,50 @@ def float8_tensor_parallel(cfg: FP8Config | None) -> bool:
             and cfg.recipe == "tensorwise")
 
 
-def convert_to_fp8(model: nn.Module, cfg: FP8Config, fsdp: bool) -> tuple[list[str], list[str]]:
+def convert_to_fp8(model: nn.Module, cfg: FP8Config,
+                   fsdp: bool) -> tuple[list[str], list[str], list[str]]:
     """Swaps, in place, the ``nn.Linear`` layers of ``model`` that pass ``fp8_filter`` for FP8
     ones of ``cfg.backend``; on a ``meta`` model nothing is allocated. ``fsdp`` turns on FP8
     all-gather where ``fp8_all_gather`` says so; ``cfg.emulate`` (torchao) computes the FP8
     matmuls in high precision, for machines without FP8 units. Returns the names of the
-    converted layers and of the linear layers kept as they were."""
+    converted layers, of the linear layers kept as they were and of the MoE experts modules
+    whose grouped GEMMs run in FP8 (``fp8.experts``)."""
     convert = fp8_filter(model, cfg.filter_fqns)
     linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     converted = [name for name, m in linears if convert(m, name)]
     kept = [name for name, m in linears if not convert(m, name)]
     backend = require_backend(cfg.backend)
+    experts: list[str] = []
     if cfg.backend == "torchao":
         config = backend.Float8LinearConfig.from_recipe_name(cfg.recipe)
         config = dataclasses.replace(
             config, enable_fsdp_float8_all_gather=fp8_all_gather(cfg, fsdp), emulate=cfg.emulate)
         backend.convert_to_float8_training(model, config=config, module_filter_fn=convert)
+        experts = _fp8_experts(model, cfg.emulate) if cfg.experts else []
     else:
         for name in converted:
             parent_name, _, child = name.rpartition(".")
             parent = model.get_submodule(parent_name)
             setattr(parent, child, _te_linear(backend, getattr(parent, child)))
         _forward_under_te_autocast(model, backend, cfg.recipe)
-    return converted, kept
+    return converted, kept, experts
+
+
+def _fp8_experts(model: nn.Module, emulate: bool) -> list[str]:
+    """Sets the FP8 grouped SwiGLU (``dtrain.parallel.fp8_experts``) on every MoE experts
+    module of ``model`` whose dimensions are multiples of 16 (as the FP8 GEMMs need); returns
+    their names."""
+    from dtrain.models.moe import GroupedExperts
+    from dtrain.parallel import fp8_experts
+
+    mm = fp8_experts.emulated_grouped_mm if emulate else fp8_experts.torchao_grouped_mm
+    names = []
+    for name, module in model.named_modules():
+        if isinstance(module, GroupedExperts) and not any(
+                size % 16 for size in module.w1.shape[1:]):
+            module.swiglu = functools.partial(fp8_experts.fp8_swiglu, mm=mm)
+            names.append(name)
+    return names
 
 
 def _te_linear(te, linear: nn.Linear) -> nn.Module:
