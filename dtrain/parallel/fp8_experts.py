@@ -6,9 +6,9 @@ one power-of-two scale per row, the stacked weights with one per expert and outp
 and the forward, input-gradient and weight-gradient products all run in FP8
 (``torch._scaled_grouped_mm`` on sm90+). Those kernels take groups of whole multiples of 16
 rows, so the sorted tokens are spread, on the device, into a buffer where each expert's group
-starts on a multiple of 16 (``pad_groups``): its size is fixed by the number of rows, never by the counts, so nothing is read
-on the host. ``fp8.emulate`` runs the same scaling in high precision (``EmulatedFP8GroupedMM``),
-on any device.
+starts on a multiple of 16 (``pad_groups``): its size is fixed by the number of rows, never by
+the counts, so nothing is read on the host. ``fp8.emulate`` runs the same scaling in high
+precision (``EmulatedFP8GroupedMM``), on the CPU.
 """
 
 from __future__ import annotations
