@@ -30,7 +30,7 @@ def test_groups_are_padded_to_16_rows_on_the_device_and_come_back_in_order():
     x = torch.arange(30 * 4, dtype=torch.float32).view(30, 4) + 1  # no zero rows
     counts = torch.tensor([5, 0, 20, 3])  # 28 rows routed, 2 past the end (dropped)
     padded, ends, dest = pad_groups(x, counts)
-    assert padded.shape == (30 + 4 * 15, 4)  # fixed by the rows, whatever the counts
+    assert padded.shape == (96, 4)  # 30 + 4 * 15 rows rounded up to 16, whatever the counts
     assert ends.tolist() == [16, 16, 48, 64] and ends.dtype == torch.int32
     starts = [0, 16, 16, 48]
     for e, (start, n) in enumerate(zip(starts, counts.tolist(), strict=True)):

@@ -30,7 +30,9 @@ def pad_groups(x: torch.Tensor, counts: torch.Tensor,
     ``counts.sum()`` last) -> (``padded``, ``ends``, ``dest``): ``padded[dest[i]] = x[i]``, with
     each group starting at a multiple of ``align`` and zeros between, ``ends`` the int32 end
     offset of each padded group. Rows past ``counts.sum()`` are placed after the last group,
-    as zeros. ``padded`` has ``rows + E * (align - 1)`` rows whatever the counts."""
+    as zeros. ``padded`` has ``rows + E * (align - 1)`` rows rounded up to a multiple of
+``align``, whatever the counts (the transposed FP8 operand of the weight gradient needs row
+strides of a multiple of 16 bytes)."""
     rows, n_groups = x.shape[0], counts.numel()
     padded_counts = (counts + align - 1) // align * align
     ends, padded_ends = torch.cumsum(counts, 0), torch.cumsum(padded_counts, 0)
@@ -41,7 +43,8 @@ def pad_groups(x: torch.Tensor, counts: torch.Tensor,
     group = torch.searchsorted(ends, row, right=True)
     dest = row - starts[group] + padded_starts[group]
     valid = (group < n_groups).unsqueeze(1)
-    padded = x.new_zeros(rows + n_groups * (align - 1), x.shape[1]).index_copy(
+    size = -(-(rows + n_groups * (align - 1)) // align) * align  # row strides of 16 bytes
+    padded = x.new_zeros(size, x.shape[1]).index_copy(
         0, dest, torch.where(valid, x, 0))
     return padded, padded_ends.to(torch.int32), dest
 
