@@ -30,6 +30,8 @@ from dtrain.config import Config
 from dtrain.hooks import Hooks
 from dtrain.log import logger, setup_logging
 from dtrain.metrics import MetricsLogger, StepMetrics
+from dtrain.models.grouped_gemm import StepWeightCasts
+from dtrain.models.moe import GroupedExperts
 from dtrain.nonfinite import NonFiniteSteps
 from dtrain.optim import build_lr_scheduler, build_optimizer
 from dtrain.parallel.expert import MoEStats, moe_layers
@@ -159,6 +161,7 @@ class Run:
                      skip_first=self.pipeline is not None) if moe else None,
             ScaleRefresh(self.model_parts) if self.fp8_all_gather and not overlap else None,
             self._step_weight_cast(),
+            self._expert_weight_casts(),
             AutoReshard(self.model, self.device, cfg.parallel.fsdp_auto_memory_fraction,
                         self.compute_dtype)
             if cfg.parallel.fsdp_reshard_after_forward == "auto" and units_on_gpu else None,
@@ -170,6 +173,16 @@ class Run:
             return None
         linears = step_cast_linears(self.model_parts)
         return StepWeightCast(linears) if linears else None
+
+    def _expert_weight_casts(self) -> StepWeightCasts | None:
+        """The experts' weights cast once per step, where their grouped GEMMs run and FSDP does
+        not shard them (it gathers them for each forward)."""
+        if not self.config.model.moe_cast_weights_once_per_step or self.dims.fsdp_enabled:
+            return None
+        probe = torch.empty(0, device=self.device, dtype=self.compute_dtype)
+        experts = [m for part in self.model_parts for m in part.modules()
+                   if isinstance(m, GroupedExperts) and m.grouped(probe)]
+        return StepWeightCasts(experts, self.compute_dtype) if experts else None
 
     def _build_reporting(self) -> None:
         cfg, tcfg = self.config, self.config.training

@@ -66,6 +66,10 @@ class ModelConfig:
     moe_gemm: Literal["auto", "grouped", "loop"] = "auto"
     """MoE expert compute: grouped GEMM (torch._grouped_mm), a loop over experts, or auto
     (grouped for bf16 on CUDA sm90+, else the loop)."""
+    moe_cast_weights_once_per_step: bool = True
+    """MoE with the grouped GEMM (or FP8 experts), expert weights not sharded by FSDP: cast the
+    stacked expert weights to the compute dtype (bf16 or FP8) once per optimizer step, for
+    every micro-batch (one copy of them for the step: 2 bytes a parameter)."""
 
 
 @dataclass
@@ -299,9 +303,9 @@ class FP8Config:
     once per optimizer step and use it in every micro-batch's forward and backward (the same
     bits as a cast in each; costs 1 byte per converted parameter for the step)."""
     experts: bool = True
-    """torchao: the MoE experts' grouped GEMMs in FP8 too (rowwise scales whatever the recipe,
-    torchao's FP8 grouped matmul; each expert's tokens padded to a multiple of 16 on the
-    device). Transformer Engine leaves the experts in bf16."""
+    """torchao: the MoE experts' grouped GEMMs in FP8 too (the forward and input-gradient
+    products; rowwise scales whatever the recipe; each expert's tokens padded to a multiple of
+    16 rows on the device). Transformer Engine leaves the experts in bf16."""
     emulate: bool = False
     """torchao only: compute the FP8 matmuls in high precision, so the FP8 path (casts, scales,
     FP8 all-gather) runs on any device, the CPU included; for testing, not for speed."""

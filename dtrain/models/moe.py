@@ -18,10 +18,12 @@ A token's hidden state goes to ``top_k`` of ``n_experts`` SwiGLU experts chosen 
   dropped (they contribute nothing from that expert; the residual stream carries them on).
 - Experts are three ``[n_experts, ...]`` parameters (``w1``, ``w3``: ``[E, hidden, dim]``,
   ``w2``: ``[E, dim, hidden]``), computed on tokens sorted by expert with one grouped GEMM per
-  matrix (``torch._grouped_mm``; bf16 on CUDA sm90+) or a loop over experts elsewhere. They
-  compute in the compute dtype (autocast's under autocast): the routed tokens and each stacked
-  weight are cast whole, once per forward, so each weight's gradient is one stacked tensor from
-  the grouped GEMM's backward (no per-expert ``select`` in autograd, no host sync).
+  matrix (``dtrain.models.grouped_gemm``: ``torch._grouped_mm``, fast in bf16 on CUDA sm90+;
+  FP8 with ``fp8.experts``) or a loop over experts elsewhere. They compute in the compute dtype
+  (autocast's under autocast): the routed tokens and each stacked weight are cast whole, the
+  weights once per optimizer step (``grouped_gemm.StepWeightCasts``) or else in each forward,
+  and each weight's gradient is one stacked tensor from the grouped GEMM's backward (no
+  per-expert ``select`` in autograd, no host sync).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from torch import nn
 
 from dtrain.dtensor import local
 from dtrain.models.feed_forward import FeedForward
+from dtrain.models.grouped_gemm import grouped_linear, pad_groups, step_cast_weight, unpad_groups
 
 
 def grouped_mm_available(x: torch.Tensor) -> bool:
@@ -51,14 +54,28 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                   w3: torch.Tensor) -> torch.Tensor:
+                   w3: torch.Tensor, operands: list | None = None) -> torch.Tensor:
     """SwiGLU of each expert on its rows of ``x`` (rows sorted by expert, ``counts[e]`` rows for
-    expert e) with ``torch._grouped_mm``: no host sync. Rows past ``counts.sum()`` are
-    unspecified in the output."""
-    offs = torch.cumsum(counts, 0, dtype=torch.int32)
-    h = (F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs))
-         * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs))
-    return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
+    expert e) with grouped GEMMs (``grouped_gemm.GroupedLinear``) in ``x``'s dtype: no host
+    sync. ``operands``: the step's cast weights (``GroupedExperts.cast_weights``). Rows past
+    ``counts.sum()`` are unspecified in the output."""
+    ends = torch.cumsum(counts, 0, dtype=torch.int32)
+    op1, op2, op3 = operands or (None, None, None)
+    h = (F.silu(grouped_linear(x, w1, ends, "plain", op1))
+         * grouped_linear(x, w3, ends, "plain", op3))
+    return grouped_linear(h, w2, ends, "plain", op2)
+
+
+def fp8_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+               w3: torch.Tensor, mode: str, operands: list | None = None) -> torch.Tensor:
+    """``grouped_swiglu`` with FP8 grouped GEMMs (``mode``: fp8 or fp8_emulated) on groups
+    padded to multiples of 16 rows on the device (``grouped_gemm.pad_groups``). Rows past
+    ``counts.sum()`` are zero in the output."""
+    padded, ends, dest = pad_groups(x, counts)
+    op1, op2, op3 = operands or (None, None, None)
+    h = (F.silu(grouped_linear(padded, w1, ends, mode, op1))
+         * grouped_linear(padded, w3, ends, mode, op3))
+    return unpad_groups(grouped_linear(h, w2, ends, mode, op2), dest, counts)
 
 
 def looped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
@@ -77,26 +94,39 @@ def looped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: t
 class GroupedExperts(nn.Module):
     """``n_experts`` SwiGLU feed-forwards stored as ``[n_experts, ...]`` parameters. Input: tokens
     sorted by expert and the count per expert; output: each token's expert output, same order,
-    in ``x``'s dtype (the compute dtype: the weights are cast to it, each as one tensor)."""
+    in ``x``'s dtype (the compute dtype; FP8 experts: bf16)."""
 
     def __init__(self, dim: int, hidden: int, n_experts: int, gemm: str = "auto"):
         super().__init__()
         self.gemm = gemm  # auto (grouped where fast), grouped, loop
-        # Set from outside to replace the SwiGLU, called as ``swiglu(x, counts, w1, w2, w3)``
-        # with the weights as stored (FP8: dtrain.parallel.fp8_experts).
-        self.swiglu: Callable[..., torch.Tensor] | None = None
+        # "fp8" or "fp8_emulated" for FP8 grouped GEMMs (set by dtrain.parallel.fp8)
+        self.fp8: str | None = None
+        # The step's cast weights (grouped_gemm.StepWeightCasts), else cast in each forward.
+        self.step_operands: list | None = None
         self.w1 = nn.Parameter(torch.empty(n_experts, hidden, dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim))
 
+    def grouped(self, x: torch.Tensor) -> bool:
+        """Whether the forward on ``x`` runs grouped GEMMs (FP8, or the grouped GEMM)."""
+        return self.fp8 is not None or self.gemm == "grouped" or (
+            self.gemm == "auto" and grouped_mm_available(x))
+
+    def cast_weights(self, dtype: torch.dtype) -> list[tuple[torch.Tensor, ...]]:
+        """The operands of ``w1``, ``w2``, ``w3`` for the grouped GEMMs in ``dtype`` (or FP8)."""
+        return [step_cast_weight(local(w), self.fp8 or "plain", dtype)
+                for w in (self.w1, self.w2, self.w3)]
+
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        if self.swiglu is not None:
-            return self.swiglu(x, counts, local(self.w1), local(self.w2), local(self.w3))
+        w1, w2, w3 = local(self.w1), local(self.w2), local(self.w3)
+        operands = self.step_operands if torch.is_grad_enabled() else None
+        if self.fp8 is not None:
+            return fp8_swiglu(x, counts, w1, w2, w3, self.fp8, operands)
+        if self.grouped(x):
+            return grouped_swiglu(x, counts, w1, w2, w3, operands)
         # Whole stacked casts (fp32 weights under autocast): their backward is one cast of the
         # stacked gradient, where autocast would cast each expert's slice inside the loop.
-        w1, w2, w3 = (local(w).to(x.dtype) for w in (self.w1, self.w2, self.w3))
-        grouped = self.gemm == "grouped" or (self.gemm == "auto" and grouped_mm_available(x))
-        return (grouped_swiglu if grouped else looped_swiglu)(x, counts, w1, w2, w3)
+        return looped_swiglu(x, counts, *(w.to(x.dtype) for w in (w1, w2, w3)))
 
 
 class Router(nn.Module):

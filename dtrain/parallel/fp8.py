@@ -13,7 +13,7 @@ Transformer Engine (``fp8.backend = "te"``): ``nn.Linear`` becomes ``te.Linear``
 of the model runs under ``te.fp8_autocast`` with the delayed or current scaling recipe.
 
 With torchao, the MoE experts' grouped GEMMs run in FP8 as well (``fp8.experts``: rowwise
-scales, ``dtrain.parallel.fp8_experts``); Transformer Engine leaves them in bf16.
+scales, ``dtrain.models.grouped_gemm``); Transformer Engine leaves them in bf16.
 
 Layers stay in bf16 when their name matches ``fp8.filter_fqns`` (the output projection by
 default), when their dimensions are not multiples of 16 (FP8 matmuls need them), or when their
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import functools
 import types
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -159,18 +158,16 @@ def convert_to_fp8(model: nn.Module, cfg: FP8Config,
 
 
 def _fp8_experts(model: nn.Module, emulate: bool) -> list[str]:
-    """Sets the FP8 grouped SwiGLU (``dtrain.parallel.fp8_experts``) on every MoE experts
-    module of ``model`` whose dimensions are multiples of 16 (as the FP8 GEMMs need); returns
-    their names."""
+    """Puts the grouped GEMMs of every MoE experts module of ``model`` whose dimensions are
+    multiples of 16 (as FP8 GEMMs need) in FP8 (``dtrain.models.grouped_gemm``); returns their
+    names."""
     from dtrain.models.moe import GroupedExperts
-    from dtrain.parallel import fp8_experts
 
-    mm = fp8_experts.emulated_grouped_mm if emulate else fp8_experts.torchao_grouped_mm
     names = []
     for name, module in model.named_modules():
         if isinstance(module, GroupedExperts) and not any(
                 size % 16 for size in module.w1.shape[1:]):
-            module.swiglu = functools.partial(fp8_experts.fp8_swiglu, mm=mm)
+            module.fp8 = "fp8_emulated" if emulate else "fp8"
             names.append(name)
     return names
 

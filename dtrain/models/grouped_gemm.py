@@ -1,0 +1,173 @@
+"""The MoE experts' grouped GEMMs: rows sorted by expert, one product per stacked weight, in bf16
+or FP8, with the weight cast once per optimizer step.
+
+``GroupedLinear`` computes ``a[rows of e] @ weight[e].T`` for each expert e of a stacked weight
+``[E, out, in]``, with its own backward: the input gradient is a grouped GEMM of the gradient
+and the weight, and the weight gradient one grouped GEMM of the gradient and the input, written
+as the whole stacked tensor (no per-expert slices in autograd). The weight enters the products
+as an operand cast from the parameter (``cast_weight``):
+
+- ``plain``: the weight in the compute dtype (``torch._grouped_mm``; fast in bf16 on sm90+).
+- ``fp8`` and ``fp8_emulated``: the forward and the input gradient in float8 e4m3 with rowwise,
+  power-of-two scales (``torch._scaled_grouped_mm`` on sm90+): one scale per row of the input and
+  of the gradient, one per expert and output channel of the weight for the forward and per
+  expert and input channel for the input gradient. The weight gradient stays a bf16 product
+  (the FP8 one needs per-group column scales of both operands, whose extra passes cost more
+  than the product saves; docs/benchmarks.md). FP8 takes groups of whole multiples of 16
+  rows: ``pad_groups`` spreads the sorted rows on the device into a buffer whose size does not
+  depend on the counts, so nothing is read on the host. ``fp8_emulated`` computes the same
+  rounded values in fp32 (any device: tests and machines without FP8 units).
+
+``StepWeightCasts`` casts every expert weight once before each optimizer step: every micro-batch's
+forward and backward then use that operand (the weights do not change inside a step), where
+otherwise each forward casts its weights again. Without it (evaluation, weights sharded by FSDP)
+the cast happens inside each forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from dtrain.hooks import StepHook
+
+ALIGN = 16  # FP8 grouped GEMMs: rows per group a multiple of this
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = torch.finfo(E4M3).max
+MODES = ("plain", "fp8", "fp8_emulated")
+
+
+def rowwise_fp8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``t`` in float8 e4m3 with one power-of-two scale per slice along its last dim
+    (``2^floor(log2(448 / amax))``): the FP8 bits and the inverse scales (``t``'s shape without
+    its last dim, fp32), which multiply the product back."""
+    amax = t.abs().amax(dim=-1, keepdim=True).float()
+    scale = torch.exp2(torch.floor(torch.log2(E4M3_MAX / amax.clamp(min=1e-12))))
+    bits = (t.float() * scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    return bits, scale.reciprocal().squeeze(-1)
+
+
+def cast_weight(weight: torch.Tensor, mode: str, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """The operands ``GroupedLinear`` takes for a stacked weight ``[E, out, in]``: plain, the
+    weight in ``dtype`` (the compute dtype); FP8, its bits and inverse scales per (expert, out)
+    for the forward, and those of its transpose ``[E, in, out]`` per (expert, in) for the input
+    gradient."""
+    weight = weight.detach()
+    if mode == "plain":
+        return (weight.to(dtype),)
+    return (*rowwise_fp8(weight), *rowwise_fp8(weight.transpose(-2, -1).contiguous()))
+
+
+_compiled_cast_weight = torch.compile(cast_weight, fullgraph=True, dynamic=False)
+
+
+def step_cast_weight(weight: torch.Tensor, mode: str,
+                     dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """``cast_weight`` once per step: compiled on the GPU (one reduction and one cast kernel an
+    operand), eager elsewhere."""
+    with torch.no_grad():
+        return (_compiled_cast_weight if weight.is_cuda else cast_weight)(weight, mode, dtype)
+
+
+def _dequantized(bits: torch.Tensor, inverse_scale: torch.Tensor) -> torch.Tensor:
+    return bits.float() * inverse_scale.unsqueeze(-1)
+
+
+def _fp8_product(a: torch.Tensor, bits: torch.Tensor, inverse_scale: torch.Tensor,
+                 ends: torch.Tensor, emulated: bool) -> torch.Tensor:
+    """Each group of rows of ``a`` (bf16) times the transposed FP8 weight ``bits [E, n, k]``,
+    both rounded to FP8 with rowwise scales; bf16 out."""
+    a_bits, a_inverse = rowwise_fp8(a)
+    if emulated:
+        return torch._grouped_mm(_dequantized(a_bits, a_inverse),
+                                 _dequantized(bits, inverse_scale).transpose(-2, -1),
+                                 offs=ends).to(a.dtype)
+    return torch._scaled_grouped_mm(a_bits, bits.transpose(-2, -1), a_inverse, inverse_scale,
+                                    offs=ends, out_dtype=torch.bfloat16, use_fast_accum=True)
+
+
+class GroupedLinear(torch.autograd.Function):
+    """``a [rows, in]`` (rows sorted by expert, groups ending at ``ends``, int32) times each
+    expert's ``weight [E, out, in]`` transposed -> ``[rows, out]`` (``a``'s dtype; FP8: bf16),
+    from the operands of ``cast_weight(weight, mode, a.dtype)``. Rows past ``ends[-1]`` are
+    unspecified in the output and get no gradient. The weight's gradient is one stacked tensor
+    in the weight's dtype."""
+
+    @staticmethod
+    def forward(ctx, a, weight, ends, mode, *operands):
+        ctx.mode, ctx.weight_dtype = mode, weight.dtype
+        ctx.save_for_backward(a, ends, *operands)
+        if mode == "plain":
+            return torch._grouped_mm(a, operands[0].transpose(-2, -1), offs=ends)
+        return _fp8_product(a, operands[0], operands[1], ends, mode == "fp8_emulated")
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, ends, *operands = ctx.saved_tensors
+        grad = grad.contiguous()
+        if ctx.mode == "plain":
+            grad_a = torch._grouped_mm(grad, operands[0], offs=ends)
+        else:
+            grad_a = _fp8_product(grad, operands[2], operands[3], ends,
+                                  ctx.mode == "fp8_emulated")
+        grad_weight = torch._grouped_mm(grad.t(), a, offs=ends)  # [E, out, in]
+        return grad_a, grad_weight.to(ctx.weight_dtype), None, None, *([None] * len(operands))
+
+
+def grouped_linear(a: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor, mode: str,
+                   operands: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+    """``GroupedLinear`` with the step's ``operands`` where given, else casting ``weight``."""
+    if operands is None:
+        operands = cast_weight(weight, mode, a.dtype)
+    return GroupedLinear.apply(a, weight, ends, mode, *operands)
+
+
+def pad_groups(x: torch.Tensor, counts: torch.Tensor,
+               align: int = ALIGN) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows of ``x`` grouped by expert (``counts[e]`` rows for expert e, any rows past
+    ``counts.sum()`` last) -> (``padded``, ``ends``, ``dest``): ``padded[dest[i]] = x[i]``, with
+    each group starting at a multiple of ``align`` and zeros between, ``ends`` the int32 end
+    offset of each padded group. Rows past ``counts.sum()`` are placed after the last group,
+    as zeros. ``padded`` has ``rows + E * (align - 1)`` rows rounded up to a multiple of
+    ``align``, whatever the counts (the transposed operand of the weight gradient needs row
+    strides of a multiple of 16 bytes)."""
+    rows, n_groups = x.shape[0], counts.numel()
+    padded_counts = (counts + align - 1) // align * align
+    ends, padded_ends = torch.cumsum(counts, 0), torch.cumsum(padded_counts, 0)
+    # starts of the groups and of the rows past the end (an extra group)
+    starts = torch.cat([ends - counts, ends[-1:]])
+    padded_starts = torch.cat([padded_ends - padded_counts, padded_ends[-1:]])
+    row = torch.arange(rows, device=x.device)
+    group = torch.searchsorted(ends, row, right=True)
+    dest = row - starts[group] + padded_starts[group]
+    valid = (group < n_groups).unsqueeze(1)
+    size = -(-(rows + n_groups * (align - 1)) // align) * align
+    padded = x.new_zeros(size, x.shape[1]).index_copy(0, dest, torch.where(valid, x, 0))
+    return padded, padded_ends.to(torch.int32), dest
+
+
+def unpad_groups(out: torch.Tensor, dest: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """The rows ``pad_groups`` moved, back in their order: zero for rows past ``counts.sum()``
+    (nothing is defined there: the grouped GEMMs write only their groups)."""
+    valid = (torch.arange(dest.numel(), device=out.device) < counts.sum()).unsqueeze(1)
+    return torch.where(valid, out[dest], 0)
+
+
+class StepWeightCasts(StepHook):
+    """Casts the stacked weights of ``experts`` (``GroupedExperts`` modules whose weights are
+    whole on the rank or split by expert parallel only) before each step, for every
+    micro-batch's grouped GEMMs; they are dropped before the update. Costs one copy of those
+    weights in the compute dtype for the step (bf16: 2 bytes a parameter, FP8: 2 x 1 byte)."""
+
+    def __init__(self, experts: Sequence[nn.Module], dtype: torch.dtype):
+        self.experts, self.dtype = list(experts), dtype
+
+    def before_step(self) -> None:
+        for module in self.experts:
+            module.step_operands = module.cast_weights(self.dtype)
+
+    def before_update(self) -> None:
+        for module in self.experts:
+            module.step_operands = None
