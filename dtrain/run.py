@@ -175,9 +175,12 @@ class Run:
         return StepWeightCast(linears) if linears else None
 
     def _expert_weight_casts(self) -> StepWeightCasts | None:
-        """The experts' weights cast once per step, where their grouped GEMMs run and FSDP does
-        not shard them (it gathers them for each forward)."""
-        if not self.config.model.moe_cast_weights_once_per_step or self.dims.fsdp_enabled:
+        """The experts' weights cast once per step, where their grouped GEMMs run and the
+        weights are whole on the rank (not gathered by FSDP for each forward nor split by TP or
+        EP, whose gradients are reduced by FSDP's hooks)."""
+        dims = self.dims
+        if (not self.config.model.moe_cast_weights_once_per_step or dims.fsdp_enabled
+                or dims.tp > 1 or dims.ep > 1):
             return None
         probe = torch.empty(0, device=self.device, dtype=self.compute_dtype)
         experts = [m for part in self.model_parts for m in part.modules()

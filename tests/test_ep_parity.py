@@ -1,7 +1,7 @@
 """Expert parallel over gloo reproduces the single-process MoE run (fp32, dropless): equal initial
 weights, per-step losses, gradient norms and aux losses within 1e-5 relative over 5 steps, for
-EP 2, EP 4, EP 2 x FSDP 2 (with activation checkpointing), PP 2 x EP 2 and EP 2 x TP 2; and EP 2
-with a sigmoid router and capacity-factor dropping."""
+EP 2, EP 4, EP 2 x FSDP 2 (with activation checkpointing), PP 2 x EP 2 and EP 2 x TP 2; EP 2
+with a sigmoid router and capacity-factor dropping, and EP 2 with the grouped GEMMs."""
 
 import pytest
 import torch
@@ -37,10 +37,14 @@ def test_expert_parallel_over_two_ranks(tmp_path, moe_reference):
     variant = {"model.moe_router": "sigmoid", "model.moe_capacity_factor": 1.0}
     single = Trainer(load_config("debug", {
         **MOE, **variant, "job.output_dir": str(tmp_path / "ref")})).train()
-    plain, dropping = run_distributed(tmp_path, 2, specs(
-        tmp_path, [{"parallel.ep": 2}, {"parallel.ep": 2, **variant}]))
+    # The grouped GEMMs (dtrain.models.grouped_gemm, on the CPU's fp32 kernel) on each rank's
+    # experts give the loop's run too.
+    plain, dropping, grouped = run_distributed(tmp_path, 2, specs(
+        tmp_path, [{"parallel.ep": 2}, {"parallel.ep": 2, **variant},
+                   {"parallel.ep": 2, "model.moe_gemm": "grouped"}]))
     assert_same_moe_run(plain, moe_reference, "ep2")
     assert_same_moe_run(dropping, single, "ep2 sigmoid capacity 1.0")
+    assert_same_moe_run(grouped, moe_reference, "ep2 grouped")
 
 
 def test_expert_parallel_layouts_over_four_ranks(tmp_path, moe_reference):

@@ -135,7 +135,7 @@ def test_expert_weights_cast_once_per_step_train_exactly_as_casting_in_each_forw
         for m in trainer.model.modules():
             if isinstance(m, GroupedExperts):
                 m.register_forward_pre_hook(
-                    lambda module, args, seen=seen: seen.append(module.step_operands is not None))
+                    lambda module, args, seen=seen: seen.append(module.step is not None))
         records = trainer.train()
         weights = {k: v.clone() for k, v in trainer.model.state_dict().items()}
         runs[once] = ([(r["loss"], r["grad_norm"]) for r in records], weights, seen)

@@ -67,9 +67,10 @@ class ModelConfig:
     """MoE expert compute: grouped GEMM (torch._grouped_mm), a loop over experts, or auto
     (grouped for bf16 on CUDA sm90+, else the loop)."""
     moe_cast_weights_once_per_step: bool = True
-    """MoE with the grouped GEMM (or FP8 experts), expert weights not sharded by FSDP: cast the
-    stacked expert weights to the compute dtype (bf16 or FP8) once per optimizer step, for
-    every micro-batch (one copy of them for the step: 2 bytes a parameter)."""
+    """MoE with the grouped GEMM (or FP8 experts), expert weights whole on each rank (no FSDP,
+    TP nor EP): cast the stacked expert weights to the compute dtype (bf16 or FP8) once per
+    optimizer step, for every micro-batch (one copy of them for the step: 2 bytes a parameter),
+    and add each micro-batch's weight gradients into the fp32 gradients in place."""
 
 
 @dataclass

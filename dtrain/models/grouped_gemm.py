@@ -20,8 +20,10 @@ as an operand cast from the parameter (``cast_weight``):
 
 ``StepWeightCasts`` casts every expert weight once before each optimizer step: every micro-batch's
 forward and backward then use that operand (the weights do not change inside a step), where
-otherwise each forward casts its weights again. Without it (evaluation, weights sharded by FSDP)
-the cast happens inside each forward.
+otherwise each forward casts its weights again; and each backward adds its weight gradient into
+the weight's ``.grad`` in place (one pass over the fp32 gradient, where autograd casts the bf16
+product to fp32 and then adds that copy). Without it (evaluation, weights sharded by FSDP or
+split by TP or EP) the cast happens inside each forward and the gradient goes through autograd.
 """
 
 from __future__ import annotations
@@ -93,19 +95,21 @@ class GroupedLinear(torch.autograd.Function):
     expert's ``weight [E, out, in]`` transposed -> ``[rows, out]`` (``a``'s dtype; FP8: bf16),
     from the operands of ``cast_weight(weight, mode, a.dtype)``. Rows past ``ends[-1]`` are
     unspecified in the output and get no gradient. The weight's gradient is one stacked tensor
-    in the weight's dtype."""
+    in the weight's dtype, returned, or with ``grad_into`` (the weight's ``.grad``) added to it
+    in place, the weight then getting none from autograd (as Megatron's gradient-accumulation
+    fusion: no cast to the weight's dtype, no second pass to accumulate)."""
 
     @staticmethod
-    def forward(ctx, a, weight, ends, mode, *operands):
-        ctx.mode, ctx.weight_dtype = mode, weight.dtype
-        ctx.save_for_backward(a, ends, *operands)
+    def forward(ctx, a, weight, ends, mode, grad_into, *operands):
+        ctx.mode, ctx.weight_dtype, ctx.accumulate = mode, weight.dtype, grad_into is not None
+        ctx.save_for_backward(a, ends, grad_into, *operands)
         if mode == "plain":
             return torch._grouped_mm(a, operands[0].transpose(-2, -1), offs=ends)
         return _fp8_product(a, operands[0], operands[1], ends, mode == "fp8_emulated")
 
     @staticmethod
     def backward(ctx, grad):
-        a, ends, *operands = ctx.saved_tensors
+        a, ends, grad_into, *operands = ctx.saved_tensors
         grad = grad.contiguous()
         if ctx.mode == "plain":
             grad_a = torch._grouped_mm(grad, operands[0], offs=ends)
@@ -113,15 +117,21 @@ class GroupedLinear(torch.autograd.Function):
             grad_a = _fp8_product(grad, operands[2], operands[3], ends,
                                   ctx.mode == "fp8_emulated")
         grad_weight = torch._grouped_mm(grad.t(), a, offs=ends)  # [E, out, in]
-        return grad_a, grad_weight.to(ctx.weight_dtype), None, None, *([None] * len(operands))
+        if ctx.accumulate:  # into the weight's gradient, in place: one pass, no fp32 copy
+            grad_into.add_(grad_weight)
+            grad_weight = None
+        else:
+            grad_weight = grad_weight.to(ctx.weight_dtype)
+        return grad_a, grad_weight, None, None, None, *([None] * len(operands))
 
 
 def grouped_linear(a: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor, mode: str,
-                   operands: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
-    """``GroupedLinear`` with the step's ``operands`` where given, else casting ``weight``."""
-    if operands is None:
-        operands = cast_weight(weight, mode, a.dtype)
-    return GroupedLinear.apply(a, weight, ends, mode, *operands)
+                   step: tuple[Sequence[torch.Tensor], torch.Tensor] | None = None
+                   ) -> torch.Tensor:
+    """``GroupedLinear`` with the step's operands and gradient (``StepWeightCasts``) where
+    given, else casting ``weight`` and returning its gradient."""
+    operands, grad_into = step if step is not None else (cast_weight(weight, mode, a.dtype), None)
+    return GroupedLinear.apply(a, weight, ends, mode, grad_into, *operands)
 
 
 def pad_groups(x: torch.Tensor, counts: torch.Tensor,
@@ -157,17 +167,23 @@ def unpad_groups(out: torch.Tensor, dest: torch.Tensor, counts: torch.Tensor) ->
 
 class StepWeightCasts(StepHook):
     """Casts the stacked weights of ``experts`` (``GroupedExperts`` modules whose weights are
-    whole on the rank or split by expert parallel only) before each step, for every
-    micro-batch's grouped GEMMs; they are dropped before the update. Costs one copy of those
-    weights in the compute dtype for the step (bf16: 2 bytes a parameter, FP8: 2 x 1 byte)."""
+    whole tensors on the rank: no FSDP, TP nor EP) before each step, for every micro-batch's
+    grouped GEMMs, and gives each weight a zero gradient that their backwards add into in
+    place; the casts are dropped before the update. Costs one copy of those weights in the
+    compute dtype for the step (bf16: 2 bytes a parameter, FP8: 2 x 1 byte)."""
 
     def __init__(self, experts: Sequence[nn.Module], dtype: torch.dtype):
         self.experts, self.dtype = list(experts), dtype
 
     def before_step(self) -> None:
         for module in self.experts:
-            module.step_operands = module.cast_weights(self.dtype)
+            weights = (module.w1, module.w2, module.w3)
+            for weight in weights:
+                if weight.grad is None:
+                    weight.grad = torch.zeros_like(weight)
+            module.step = [(operands, weight.grad) for operands, weight
+                           in zip(module.cast_weights(self.dtype), weights, strict=True)]
 
     def before_update(self) -> None:
         for module in self.experts:
-            module.step_operands = None
+            module.step = None
