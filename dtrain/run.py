@@ -27,7 +27,7 @@ from dtrain.build import (
 )
 from dtrain.checkpoint import Checkpointer, load_model_weights, needs_cpu_collectives
 from dtrain.config import Config
-from dtrain.hooks import Hooks
+from dtrain.hooks import Hooks, StepHook
 from dtrain.log import logger, setup_logging
 from dtrain.metrics import MetricsLogger, StepMetrics
 from dtrain.models.grouped_gemm import StepWeightCasts
@@ -35,7 +35,13 @@ from dtrain.models.moe import GroupedExperts
 from dtrain.nonfinite import NonFiniteSteps
 from dtrain.optim import build_lr_scheduler, build_optimizer
 from dtrain.parallel.expert import MoEStats, moe_layers
-from dtrain.parallel.fp8 import ScaleRefresh, UnitScales, eager_fp8_warning
+from dtrain.parallel.fp8 import (
+    ScaleRefresh,
+    TEFirstMicrobatch,
+    UnitScales,
+    eager_fp8_warning,
+    te_linears,
+)
 from dtrain.parallel.fp8_step_cast import StepWeightCast, step_cast_linears
 from dtrain.parallel.fsdp import AutoReshard, fsdp_units_on_gpu
 from dtrain.parallel.overlap import OverlappedStep, build_update
@@ -167,10 +173,13 @@ class Run:
             if cfg.parallel.fsdp_reshard_after_forward == "auto" and units_on_gpu else None,
         ])
 
-    def _step_weight_cast(self) -> StepWeightCast | None:
+    def _step_weight_cast(self) -> StepHook | None:
         fp8 = self.config.fp8
-        if not (fp8.enabled and fp8.backend == "torchao" and fp8.cast_weights_once_per_step):
+        if not (fp8.enabled and fp8.cast_weights_once_per_step):
             return None
+        if fp8.backend == "te":
+            linears = te_linears(self.model_parts)
+            return TEFirstMicrobatch(linears) if linears and not self.dims.fsdp_enabled else None
         linears = step_cast_linears(self.model_parts)
         return StepWeightCast(linears) if linears else None
 

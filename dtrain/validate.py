@@ -58,7 +58,7 @@ def validate(cfg: Config, world_size: int, device: torch.device | None) -> Paral
         parse_layout(pcfg.pp_layout, args.n_layers, dims.pp * pcfg.pp_virtual_stages)
     _check_validation(cfg, dims)
     if cfg.fp8.enabled:
-        check_fp8(cfg.fp8, device, dims.tp, cfg.compile.enabled)
+        check_fp8(cfg.fp8, device, dims.tp)
     return dims
 
 

@@ -300,9 +300,10 @@ class FP8Config:
     """With FP8 all-gather: cast each weight shard to FP8 in one compiled kernel (the same bytes
     as torchao's three eager kernels; replaces torchao's method for the whole process)."""
     cast_weights_once_per_step: bool = True
-    """torchao tensorwise, weights whole on each rank (no FSDP nor TP): cast each weight to FP8
-    once per optimizer step and use it in every micro-batch's forward and backward (the same
-    bits as a cast in each; costs 1 byte per converted parameter for the step)."""
+    """Weights whole on each rank (no FSDP nor TP): cast each weight to FP8 once per optimizer
+    step and use it in every micro-batch's forward and backward (torchao tensorwise: the same
+    bits as a cast in each; te: ``is_first_microbatch``; costs 1 byte per converted parameter
+    for the step)."""
     experts: bool = True
     """torchao: the MoE experts' grouped GEMMs in FP8 too (the forward and input-gradient
     products; rowwise scales whatever the recipe; each expert's tokens padded to a multiple of

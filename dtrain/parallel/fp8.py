@@ -59,9 +59,9 @@ def require_backend(backend: str):
     return module
 
 
-def check_fp8(cfg: FP8Config, device: torch.device | None, tp: int, compiled: bool) -> None:
+def check_fp8(cfg: FP8Config, device: torch.device | None, tp: int) -> None:
     """Refuses FP8 where it cannot run: off CUDA, on GPUs older than compute capability 8.9
-    (unless emulated), without the backend installed, and TE with tensor parallel or compile.
+    (unless emulated), without the backend installed, and TE with tensor parallel.
     ``device`` None (a dry run, planning for GPUs it does not have) skips the device's checks."""
     if cfg.emulate:
         if cfg.backend != "torchao":
@@ -78,11 +78,10 @@ def check_fp8(cfg: FP8Config, device: torch.device | None, tp: int, compiled: bo
         raise ConfigError(f"fp8.enabled = true needs GPUs of compute capability 8.9 or newer "
                           f"(Ada, Hopper, Blackwell) but {torch.cuda.get_device_name(device)} "
                           f"has {capability[0]}.{capability[1]}: set fp8.enabled = false")
-    if cfg.backend == "te" and (tp > 1 or compiled):
-        raise ConfigError("fp8.backend = 'te' runs without tensor parallel and without compile "
-                          "(TE's modules are not DTensor-aware nor traced whole): set "
-                          "parallel.tp = 1 and compile.enabled = false, or use "
-                          "fp8.backend = 'torchao'")
+    if cfg.backend == "te" and tp > 1:
+        raise ConfigError("fp8.backend = 'te' runs without tensor parallel (TE's modules are "
+                          "not DTensor-aware): set parallel.tp = 1, or use fp8.backend = "
+                          "'torchao'")
     require_backend(cfg.backend)
 
 
@@ -172,17 +171,54 @@ def _fp8_experts(model: nn.Module, emulate: bool) -> list[str]:
     return names
 
 
+def _te_forward(self, inp: torch.Tensor) -> torch.Tensor:
+    """``te.Linear.forward`` outside any compiled graph (torch.compile traces the rest of the
+    block around it), told whether this is the step's first micro-batch while training: TE
+    casts the weight to FP8 in the first and reuses that cast in the step's later forwards and
+    backwards (``is_first_microbatch``; ``TEFirstMicrobatch`` sets the flag before each step).
+    Evaluation and forwards outside steps cast afresh."""
+    first = self._first_microbatch if torch.is_grad_enabled() else None
+    if first:
+        self._first_microbatch = False
+    return type(self).forward(self, inp, is_first_microbatch=first)
+
+
 def _te_linear(te, linear: nn.Linear) -> nn.Module:
-    """A ``te.Linear`` of the same shape; weights are copied unless on ``meta``."""
+    """A ``te.Linear`` of the same shape, its forward kept out of torch.compile's graphs
+    (``_te_forward``); weights are copied unless on ``meta``."""
     device = linear.weight.device
     new = te.Linear(linear.in_features, linear.out_features, bias=linear.bias is not None,
                     params_dtype=linear.weight.dtype, device=device)
+    new._first_microbatch = None
+    new.forward = types.MethodType(torch.compiler.disable(_te_forward), new)
     if device.type != "meta":
         with torch.no_grad():
             new.weight.copy_(linear.weight)
             if linear.bias is not None:
                 new.bias.copy_(linear.bias)
     return new
+
+
+def te_linears(model_parts: Sequence[nn.Module]) -> list[nn.Module]:
+    """The TE linear layers ``convert_to_fp8`` made in ``model_parts``."""
+    return [m for part in model_parts for m in part.modules() if hasattr(m, "_first_microbatch")]
+
+
+class TEFirstMicrobatch(StepHook):
+    """Marks the next forward of each TE linear of ``linears`` as the step's first micro-batch
+    (TE casts its weight to FP8 there and reuses the cast for the rest of the step). For
+    weights whole on the rank: under FSDP each forward gathers them anew."""
+
+    def __init__(self, linears: Sequence[nn.Module]):
+        self.linears = list(linears)
+
+    def before_step(self) -> None:
+        for linear in self.linears:
+            linear._first_microbatch = True
+
+    def before_update(self) -> None:
+        for linear in self.linears:
+            linear._first_microbatch = None
 
 
 def _forward_under_te_autocast(model: nn.Module, te, recipe_name: str) -> None:
