@@ -41,8 +41,10 @@ def parallelize(model: Transformer, dims: ParallelDims, mesh: DeviceMesh | None,
         apply_cp(model, dims.mesh("cp"), parallel.cp_comm_type, seq_len)
     apply_activation_checkpointing(model, ac)
     if compile.enabled:
-        # MoE layers read their expert counts on the host (loop or all-to-all splits).
-        apply_compile(model, fullgraph=not model.args.n_experts,
+        # MoE layers read their expert counts on the host (loop or all-to-all splits); TE's
+        # linears run outside the graphs (dtrain.parallel.fp8), each a break in its block.
+        te = fp8 is not None and fp8.enabled and fp8.backend == "te"
+        apply_compile(model, fullgraph=not (model.args.n_experts or te),
                       options=inductor_options(fp8 is not None and fp8.enabled))
     if mesh is not None and dims.fsdp_enabled:
         reduce_dtype = torch.float32 if parallel.fsdp_reduce_dtype == "fp32" else torch.bfloat16
