@@ -1,7 +1,8 @@
 """Expert parallel over gloo reproduces the single-process MoE run (fp32, dropless): equal initial
 weights, per-step losses, gradient norms and aux losses within 1e-5 relative over 5 steps, for
 EP 2, EP 4, EP 2 x FSDP 2 (with activation checkpointing), PP 2 x EP 2 and EP 2 x TP 2; EP 2
-with a sigmoid router and capacity-factor dropping, and EP 2 with the grouped GEMMs."""
+with a sigmoid router and capacity-factor dropping, EP 2 with the grouped GEMMs and EP 2 with
+FP8 experts (emulated)."""
 
 import pytest
 import torch
@@ -19,15 +20,22 @@ def specs(tmp_path, layouts: list[dict]) -> list[dict]:
             for i, layout in enumerate(layouts)]
 
 
-def assert_same_moe_run(run: dict, reference: list[dict], label: str) -> None:
-    assert_same_run(run, reference, label)
+def assert_same_moe_run(run: dict, reference: list[dict], label: str, rel: float = REL) -> None:
+    if rel == REL:
+        assert_same_run(run, reference, label)
+    else:
+        assert run["init_ok"] is not False, label
+        for ref, got in zip(reference, run["history"], strict=True):
+            assert got["loss"] == pytest.approx(ref["loss"], rel=REL), (label, ref["step"])
+            assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=rel), label
     for ref, got in zip(reference, run["history"], strict=True):
         if "aux_loss" not in got:  # a pipeline's first step (see Trainer.train)
             assert "pp" in label and ref["step"] == 1, label
             continue
-        assert got["aux_loss"] == pytest.approx(ref["aux_loss"], rel=REL), (label, ref["step"])
+        assert got["aux_loss"] == pytest.approx(ref["aux_loss"], rel=rel), (label, ref["step"])
+        # FP8: a router score nudged across a tie sends a token or two elsewhere
         assert got["moe/layer0/tokens_per_expert"] == pytest.approx(
-            ref["moe/layer0/tokens_per_expert"], rel=REL)
+            ref["moe/layer0/tokens_per_expert"], rel=REL, abs=0 if rel == REL else 0.5)
 
 
 def test_expert_parallel_over_two_ranks(tmp_path, moe_reference):
@@ -38,13 +46,24 @@ def test_expert_parallel_over_two_ranks(tmp_path, moe_reference):
     single = Trainer(load_config("debug", {
         **MOE, **variant, "job.output_dir": str(tmp_path / "ref")})).train()
     # The grouped GEMMs (dtrain.models.grouped_gemm, on the CPU's fp32 kernel) on each rank's
-    # experts give the loop's run too.
-    plain, dropping, grouped = run_distributed(tmp_path, 2, specs(
+    # experts give the loop's run too, and FP8 experts (emulated, with FP8 attention linears)
+    # the single process's FP8 run.
+    fp8 = {"fp8.enabled": True, "fp8.emulate": True}
+    single_fp8 = Trainer(load_config("debug", {
+        **MOE, **fp8, "job.output_dir": str(tmp_path / "ref_fp8")})).train()
+    plain, dropping, grouped, experts_fp8 = run_distributed(tmp_path, 2, specs(
         tmp_path, [{"parallel.ep": 2}, {"parallel.ep": 2, **variant},
-                   {"parallel.ep": 2, "model.moe_gemm": "grouped"}]))
+                   {"parallel.ep": 2, "model.moe_gemm": "grouped"}, {"parallel.ep": 2, **fp8}]))
     assert_same_moe_run(plain, moe_reference, "ep2")
     assert_same_moe_run(dropping, single, "ep2 sigmoid capacity 1.0")
     assert_same_moe_run(grouped, moe_reference, "ep2 grouped")
+    # FP8: losses at 1e-5, gradient norms and the router's figures at 1e-3. The expert-parallel
+    # weight gradients sum their rows in another order, and a last-bit difference moves a
+    # value across an FP8 rounding boundary now and then, a drift that grows over the steps
+    # (measured: gradient norm 7e-5 off at step 4, 5.6e-4 at step 5, where FP8's own distance
+    # from fp32 is 4.4e-3 and 1.1e-2).
+    assert_same_moe_run(experts_fp8, single_fp8, "ep2 fp8", rel=1e-3)
+    assert single_fp8[-1]["loss"] != pytest.approx(moe_reference[-1]["loss"], rel=10 * REL)
 
 
 def test_expert_parallel_layouts_over_four_ranks(tmp_path, moe_reference):
