@@ -30,7 +30,7 @@ from dtrain.config import Config
 from dtrain.hooks import Hooks, StepHook
 from dtrain.log import logger, setup_logging
 from dtrain.metrics import MetricsLogger, StepMetrics
-from dtrain.models.grouped_gemm import StepWeightCasts
+from dtrain.models.grouped_gemm import ExpertWeightCasts
 from dtrain.models.moe import GroupedExperts
 from dtrain.nonfinite import NonFiniteSteps
 from dtrain.optim import build_lr_scheduler, build_optimizer
@@ -183,7 +183,7 @@ class Run:
         linears = step_cast_linears(self.model_parts)
         return StepWeightCast(linears) if linears else None
 
-    def _expert_weight_casts(self) -> StepWeightCasts | None:
+    def _expert_weight_casts(self) -> ExpertWeightCasts | None:
         """The experts' weights cast once per step, where their grouped GEMMs run and the
         weights are whole on the rank (not gathered by FSDP for each forward nor split by TP or
         EP, whose gradients are reduced by FSDP's hooks)."""
@@ -194,7 +194,7 @@ class Run:
         probe = torch.empty(0, device=self.device, dtype=self.compute_dtype)
         experts = [m for part in self.model_parts for m in part.modules()
                    if isinstance(m, GroupedExperts) and m.grouped(probe)]
-        return StepWeightCasts(experts, self.compute_dtype) if experts else None
+        return ExpertWeightCasts(experts, self.compute_dtype) if experts else None
 
     def _build_reporting(self) -> None:
         cfg, tcfg = self.config, self.config.training

@@ -11,7 +11,7 @@ from dtrain import load_config
 from dtrain.config import FP8Config
 from dtrain.models import build
 from dtrain.models.grouped_gemm import grouped_linear, pad_groups, rowwise_fp8, unpad_groups
-from dtrain.models.moe import GroupedExperts, fp8_swiglu, looped_swiglu
+from dtrain.models.moe import GroupedExperts, grouped_swiglu, looped_swiglu
 from dtrain.parallel.fp8 import convert_to_fp8
 from dtrain.trainer import Trainer
 
@@ -73,7 +73,7 @@ def test_fp8_swiglu_follows_the_bf16_one(counts):
     w1, w3 = (torch.randn(4, 512, 256) * 0.05).requires_grad_(), torch.randn(4, 512, 256) * 0.05
     w2 = (torch.randn(4, 256, 512) * 0.05).requires_grad_()
     upstream = torch.randn(600, 256).bfloat16()
-    got = fp8_swiglu(x, counts, w1, w2, w3, "fp8_emulated")
+    got = grouped_swiglu(x, counts, w1, w2, w3, "fp8_emulated")
     want = looped_swiglu(x, counts, *(w.bfloat16() for w in (w1, w2, w3)))
     assert got.dtype == torch.bfloat16
     assert 1e-3 < rel(got, want) < 0.1
@@ -156,10 +156,10 @@ def test_fp8_grouped_swiglu_on_the_gpu_matches_the_emulation():
           (torch.randn(8, 512, 1024, device="cuda") * 0.05).requires_grad_(),
           (torch.randn(8, 1024, 512, device="cuda") * 0.05).requires_grad_()]
     upstream = torch.randn(2065, 512, device="cuda").bfloat16()
-    got = fp8_swiglu(x, counts, *ws, "fp8")
+    got = grouped_swiglu(x, counts, *ws, "fp8")
     got_grads = torch.autograd.grad(got, (x, *ws), upstream)
     cpu = [t.detach().cpu().requires_grad_() for t in (x, *ws)]
-    want = fp8_swiglu(cpu[0], counts.cpu(), *cpu[1:], "fp8_emulated")
+    want = grouped_swiglu(cpu[0], counts.cpu(), *cpu[1:], "fp8_emulated")
     want_grads = torch.autograd.grad(want, cpu, upstream.cpu())
     assert got.dtype == torch.bfloat16 and not got[-2:].any()
     assert rel(got.cpu(), want) < 0.02

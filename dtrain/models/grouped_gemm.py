@@ -16,9 +16,9 @@ as an operand cast from the parameter (``cast_weight``):
   than the product saves; docs/benchmarks.md). FP8 takes groups of whole multiples of 16
   rows: ``pad_groups`` spreads the sorted rows on the device into a buffer whose size does not
   depend on the counts, so nothing is read on the host. ``fp8_emulated`` computes the same
-  rounded values in fp32 (any device: tests and machines without FP8 units).
+  rounded values in fp32 (on the CPU: tests, and machines without FP8 units).
 
-``StepWeightCasts`` casts every expert weight once before each optimizer step: every micro-batch's
+``ExpertWeightCasts`` casts every expert weight once before each optimizer step: every micro-batch's
 forward and backward then use that operand (the weights do not change inside a step), where
 otherwise each forward casts its weights again; and each backward adds its weight gradient into
 the weight's ``.grad`` in place (one pass over the fp32 gradient, where autograd casts the bf16
@@ -38,7 +38,6 @@ from dtrain.hooks import StepHook
 ALIGN = 16  # FP8 grouped GEMMs: rows per group a multiple of this
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max
-MODES = ("plain", "fp8", "fp8_emulated")
 
 
 def rowwise_fp8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,7 +127,7 @@ class GroupedLinear(torch.autograd.Function):
 def grouped_linear(a: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor, mode: str,
                    step: tuple[Sequence[torch.Tensor], torch.Tensor] | None = None
                    ) -> torch.Tensor:
-    """``GroupedLinear`` with the step's operands and gradient (``StepWeightCasts``) where
+    """``GroupedLinear`` with the step's operands and gradient (``ExpertWeightCasts``) where
     given, else casting ``weight`` and returning its gradient."""
     operands, grad_into = step if step is not None else (cast_weight(weight, mode, a.dtype), None)
     return GroupedLinear.apply(a, weight, ends, mode, grad_into, *operands)
@@ -165,7 +164,7 @@ def unpad_groups(out: torch.Tensor, dest: torch.Tensor, counts: torch.Tensor) ->
     return torch.where(valid, out[dest], 0)
 
 
-class StepWeightCasts(StepHook):
+class ExpertWeightCasts(StepHook):
     """Casts the stacked weights of ``experts`` (``GroupedExperts`` modules whose weights are
     whole tensors on the rank: no FSDP, TP nor EP) before each step, for every micro-batch's
     grouped GEMMs, and gives each weight a zero gradient that their backwards add into in

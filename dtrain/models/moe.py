@@ -21,7 +21,7 @@ A token's hidden state goes to ``top_k`` of ``n_experts`` SwiGLU experts chosen 
   matrix (``dtrain.models.grouped_gemm``: ``torch._grouped_mm``, fast in bf16 on CUDA sm90+;
   FP8 with ``fp8.experts``) or a loop over experts elsewhere. They compute in the compute dtype
   (autocast's under autocast): the routed tokens and each stacked weight are cast whole, the
-  weights once per optimizer step (``grouped_gemm.StepWeightCasts``) or else in each forward,
+  weights once per optimizer step (``grouped_gemm.ExpertWeightCasts``) or else in each forward,
   and each weight's gradient is one stacked tensor from the grouped GEMM's backward (no
   per-expert ``select`` in autograd, no host sync).
 """
@@ -54,29 +54,22 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                   w3: torch.Tensor, step: list | None = None) -> torch.Tensor:
+                   w3: torch.Tensor, mode: str = "plain", step: list | None = None) -> torch.Tensor:
     """SwiGLU of each expert on its rows of ``x`` (rows sorted by expert, ``counts[e]`` rows for
-    expert e) with grouped GEMMs (``grouped_gemm.GroupedLinear``) in ``x``'s dtype: no host
-    sync. ``step``: each weight's cast operands and gradient for the step
-    (``grouped_gemm.StepWeightCasts``). Rows past ``counts.sum()`` are unspecified in the
-    output."""
-    ends = torch.cumsum(counts, 0, dtype=torch.int32)
+    expert e) with grouped GEMMs (``grouped_gemm.GroupedLinear``): no host sync. ``mode``:
+    ``plain`` (``x``'s dtype; rows past ``counts.sum()`` unspecified in the output), or ``fp8`` /
+    ``fp8_emulated`` on groups padded to multiples of 16 rows on the device
+    (``grouped_gemm.pad_groups``; rows past ``counts.sum()`` zero). ``step``: each weight's cast
+    operands and gradient for the step (``grouped_gemm.ExpertWeightCasts``)."""
+    if mode == "plain":
+        rows, ends = x, torch.cumsum(counts, 0, dtype=torch.int32)
+    else:
+        rows, ends, dest = pad_groups(x, counts)
     op1, op2, op3 = step or (None, None, None)
-    h = (F.silu(grouped_linear(x, w1, ends, "plain", op1))
-         * grouped_linear(x, w3, ends, "plain", op3))
-    return grouped_linear(h, w2, ends, "plain", op2)
-
-
-def fp8_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-               w3: torch.Tensor, mode: str, step: list | None = None) -> torch.Tensor:
-    """``grouped_swiglu`` with FP8 grouped GEMMs (``mode``: fp8 or fp8_emulated) on groups
-    padded to multiples of 16 rows on the device (``grouped_gemm.pad_groups``). Rows past
-    ``counts.sum()`` are zero in the output."""
-    padded, ends, dest = pad_groups(x, counts)
-    op1, op2, op3 = step or (None, None, None)
-    h = (F.silu(grouped_linear(padded, w1, ends, mode, op1))
-         * grouped_linear(padded, w3, ends, mode, op3))
-    return unpad_groups(grouped_linear(h, w2, ends, mode, op2), dest, counts)
+    h = (F.silu(grouped_linear(rows, w1, ends, mode, op1))
+         * grouped_linear(rows, w3, ends, mode, op3))
+    out = grouped_linear(h, w2, ends, mode, op2)
+    return out if mode == "plain" else unpad_groups(out, dest, counts)
 
 
 def looped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
@@ -102,7 +95,7 @@ class GroupedExperts(nn.Module):
         self.gemm = gemm  # auto (grouped where fast), grouped, loop
         # "fp8" or "fp8_emulated" for FP8 grouped GEMMs (set by dtrain.parallel.fp8)
         self.fp8: str | None = None
-        # The step's cast weights and their gradients (grouped_gemm.StepWeightCasts), else
+        # The step's cast weights and their gradients (grouped_gemm.ExpertWeightCasts), else
         # cast in each forward.
         self.step: list | None = None
         self.w1 = nn.Parameter(torch.empty(n_experts, hidden, dim))
@@ -122,10 +115,8 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         w1, w2, w3 = local(self.w1), local(self.w2), local(self.w3)
         step = self.step if torch.is_grad_enabled() else None
-        if self.fp8 is not None:
-            return fp8_swiglu(x, counts, w1, w2, w3, self.fp8, step)
         if self.grouped(x):
-            return grouped_swiglu(x, counts, w1, w2, w3, step)
+            return grouped_swiglu(x, counts, w1, w2, w3, self.fp8 or "plain", step)
         # Whole stacked casts (fp32 weights under autocast): their backward is one cast of the
         # stacked gradient, where autocast would cast each expert's slice inside the loop.
         return looped_swiglu(x, counts, *(w.to(x.dtype) for w in (w1, w2, w3)))

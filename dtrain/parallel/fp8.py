@@ -171,6 +171,7 @@ def _fp8_experts(model: nn.Module, emulate: bool) -> list[str]:
     return names
 
 
+@torch.compiler.disable
 def _te_forward(self, inp: torch.Tensor) -> torch.Tensor:
     """``te.Linear.forward`` outside any compiled graph (torch.compile traces the rest of the
     block around it), told whether this is the step's first micro-batch while training: TE
@@ -190,7 +191,7 @@ def _te_linear(te, linear: nn.Linear) -> nn.Module:
     new = te.Linear(linear.in_features, linear.out_features, bias=linear.bias is not None,
                     params_dtype=linear.weight.dtype, device=device)
     new._first_microbatch = None
-    new.forward = types.MethodType(torch.compiler.disable(_te_forward), new)
+    new.forward = types.MethodType(_te_forward, new)
     if device.type != "meta":
         with torch.no_grad():
             new.weight.copy_(linear.weight)
