@@ -46,6 +46,7 @@ from dtrain.parallel.fp8_step_cast import StepWeightCast, step_cast_linears
 from dtrain.parallel.fsdp import AutoReshard, fsdp_units_on_gpu
 from dtrain.parallel.overlap import OverlappedStep, build_update
 from dtrain.parallel.pipeline import Pipeline, ideal_bubble
+from dtrain.parallel.step_weights import StepWeights, step_weight_linears
 from dtrain.preemption import Preemption
 from dtrain.step import Accumulation, DeviceBatches, cross_entropy_sum, step_context
 from dtrain.validate import validate
@@ -167,6 +168,7 @@ class Run:
                      skip_first=self.pipeline is not None) if moe else None,
             ScaleRefresh(self.model_parts) if self.fp8_all_gather and not overlap else None,
             self._step_weight_cast(),
+            self._step_weights(),
             self._expert_weight_casts(),
             AutoReshard(self.model, self.device, cfg.parallel.fsdp_auto_memory_fraction,
                         self.compute_dtype)
@@ -181,7 +183,19 @@ class Run:
             linears = te_linears(self.model_parts)
             return TEFirstMicrobatch(linears) if linears and not self.dims.fsdp_enabled else None
         linears = step_cast_linears(self.model_parts)
-        return StepWeightCast(linears) if linears else None
+        return StepWeightCast(linears, self.compute_dtype, into_grad=self.pipeline is None) \
+            if linears else None
+
+    def _step_weights(self) -> StepWeights | None:
+        """The bf16 linears' weights cast once per step, with gradient accumulation, where
+        autocast computes on fp32 weights whole on the rank (no FSDP nor pipeline)."""
+        dims = self.dims
+        if (not self.config.model.cast_weights_once_per_step or self.grad_accum == 1
+                or self.compute_dtype != torch.bfloat16 or dims.fsdp_enabled
+                or self.pipeline is not None):
+            return None
+        linears = step_weight_linears(self.model_parts)
+        return StepWeights(linears, self.compute_dtype) if linears else None
 
     def _expert_weight_casts(self) -> ExpertWeightCasts | None:
         """The experts' weights cast once per step, where their grouped GEMMs run and the

@@ -450,8 +450,8 @@ def test_casting_once_per_step_trains_exactly_as_casting_in_every_micro_batch(tm
             "job.output_dir": str(tmp_path / str(once))}))
         step_casts, torchao_casts = [], []
         cast, dynamic = fp8_step_cast.cast_weight_t, float8_linear.hp_tensor_to_float8_dynamic
-        monkeypatch.setattr(fp8_step_cast, "cast_weight_t", lambda linear, cast=cast,
-                            seen=step_casts: seen.append(1) or cast(linear))
+        monkeypatch.setattr(fp8_step_cast, "cast_weight_t", lambda linear, *args, cast=cast,
+                            seen=step_casts: seen.append(1) or cast(linear, *args))
 
         def torchao_cast(tensor, *args, dynamic=dynamic, seen=torchao_casts, **kwargs):
             if kwargs.get("gemm_input_role") is GemmInputRole.WEIGHT:

@@ -66,6 +66,11 @@ class ModelConfig:
     moe_gemm: Literal["auto", "grouped", "loop"] = "auto"
     """MoE expert compute: grouped GEMM (torch._grouped_mm), a loop over experts, or auto
     (grouped for bf16 on CUDA sm90+, else the loop)."""
+    cast_weights_once_per_step: bool = True
+    """bf16 compute on fp32 weights whole on each rank (no FSDP nor pipeline), with gradient
+    accumulation: cast the linear layers' weights to bf16 once per optimizer step, for every
+    micro-batch (one copy for the step: 2 bytes a parameter), and add each micro-batch's weight
+    gradients into the fp32 gradients in place (``dtrain.parallel.step_weights``)."""
     moe_cast_weights_once_per_step: bool = True
     """MoE with the grouped GEMM (or FP8 experts), expert weights whole on each rank (no FSDP,
     TP nor EP): cast the stacked expert weights to the compute dtype (bf16 or FP8) once per

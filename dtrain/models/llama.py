@@ -19,7 +19,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dtrain.models import init
 from dtrain.models.feed_forward import FeedForward
-from dtrain.models.moe import MoE
+from dtrain.models.moe import MoE, compute_dtype
 
 
 @dataclass
@@ -196,6 +196,17 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out.transpose(1, 2)
 
 
+class RMSNorm(nn.RMSNorm):
+    """``nn.RMSNorm`` computed with its weight in the input's dtype: under autocast on fp32
+    weights (one GPU, no FSDP) the activations are bf16, and a weight of another dtype would
+    send ``rms_norm`` to its slower unfused kernel. FSDP's mixed precision computes the same (its
+    weights arrive in bf16)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight.to(x.dtype) if self.weight is not None else None
+        return F.rms_norm(x, self.normalized_shape, weight, self.eps)
+
+
 class Attention(nn.Module):
     def __init__(self, args: LlamaArgs):
         super().__init__()
@@ -223,9 +234,9 @@ class TransformerBlock(nn.Module):
     def __init__(self, layer_id: int, args: LlamaArgs):
         super().__init__()
         self.layer_id = layer_id
-        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.attention = Attention(args)
-        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.ffn_dim) if not args.n_experts else MoE(
             args.dim, args.expert_dim, args.n_experts, args.moe_top_k, args.moe_router,
             args.moe_norm_topk, args.moe_shared_hidden, args.moe_capacity_factor,
@@ -243,7 +254,7 @@ class Transformer(nn.Module):
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args)
                                      for i in range(args.n_layers)})
-        self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.norm: RMSNorm | None = RMSNorm(args.dim, eps=args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
@@ -258,7 +269,13 @@ class Transformer(nn.Module):
         embeddings takes hidden states, one without ``output`` returns them. ``positions``
         (seq,) int64: the tokens' places in the whole sequence (context parallel holds parts of
         it); None means 0..seq-1."""
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        if self.tok_embeddings is not None:
+            # The residual stream in the compute dtype: autocast leaves an embedding of fp32
+            # weights in fp32 (FSDP's bf16 weights give bf16, as here).
+            h = self.tok_embeddings(tokens)
+            h = h.to(compute_dtype(h))
+        else:
+            h = tokens
         positions = self.positions if positions is None else positions
         rope = self.rope if positions is None else self.rope[positions]
         for layer in self.layers.values():

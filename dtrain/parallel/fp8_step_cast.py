@@ -5,12 +5,14 @@ gradient in every backward: under gradient accumulation, twice per micro-batch, 
 of the fp32 weight for its absolute maximum and another for the cast. The weights do not change
 inside a step, so ``StepWeightCast`` casts each one once, before the step's first micro-batch,
 and every forward and backward of the step uses that FP8 weight (torchao's matmul takes an
-already-cast weight as it is). Its gradient reaches the fp32 weight through the cast, whose
-backward passes it on unchanged: the gradients accumulate as they did. The FP8 bits and scale
-are torchao's own cast's (tensorwise scaling), so the step computes the same numbers.
+already-cast weight as it is). The cast's backward adds the weight gradient (bf16 under
+autocast) into the fp32 ``.grad`` in place (``step_weights.add_into_grad``: one pass, where
+autograd would cast it to an fp32 copy and add that). The FP8 bits and scale are torchao's own
+cast's (tensorwise scaling), and the gradients sum to the same numbers.
 
 For torchao tensorwise on weights that are whole tensors on each rank (one GPU, data parallel
-without FSDP, pipeline stages); under FSDP with FP8 all-gather the weights arrive cast already.
+without FSDP, pipeline stages, where the gradient goes through autograd); under FSDP with FP8
+all-gather the weights arrive cast already.
 Costs the FP8 copy of the converted weights (1 byte per parameter) for the step.
 """
 
@@ -23,6 +25,7 @@ import torch
 from torch import nn
 
 from dtrain.hooks import StepHook
+from dtrain.parallel.step_weights import add_into_grad
 
 
 def _forward(self, input: torch.Tensor) -> torch.Tensor:
@@ -58,30 +61,40 @@ _compiled_scale_and_cast = torch.compile(_scale_and_cast, fullgraph=True, dynami
 
 
 class _Cast(torch.autograd.Function):
-    """The FP8 weight as a differentiable function of the weight: the gradient passes on
-    unchanged (as through torchao's cast)."""
+    """The FP8 weight as a function of the weight whose gradient is added into ``weight.grad``
+    in place (or, without ``into_grad``, returned to autograd). Its high-precision dtype is the
+    compute dtype, that of the gradient torchao's backward gives it (the FP8 products' output
+    dtype comes from the other operand)."""
 
     @staticmethod
-    def forward(ctx, weight, bits, scale, linear_mm_config):
+    def forward(ctx, weight, bits, scale, linear_mm_config, dtype, into_grad):
         from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole
 
-        return Float8TrainingTensor(bits, scale, weight.dtype, linear_mm_config=linear_mm_config,
+        ctx.weight, ctx.into_grad = weight, into_grad
+        return Float8TrainingTensor(bits, scale, dtype, linear_mm_config=linear_mm_config,
                                     gemm_input_role=GemmInputRole.WEIGHT)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None, None, None
+        if not ctx.into_grad:
+            return grad, None, None, None, None, None
+        add_into_grad(ctx.weight, grad)
+        return None, None, None, None, None, None
 
 
-def cast_weight_t(linear: nn.Module) -> torch.Tensor:
+def cast_weight_t(linear: nn.Module, dtype: torch.dtype | None = None,
+                  into_grad: bool = False) -> torch.Tensor:
     """The transposed FP8 weight of a torchao ``Float8Linear``, the bits and scale its forward
-    would cast (tensorwise), differentiable with respect to the weight."""
+    would cast (tensorwise); its gradient goes into ``linear.weight.grad`` in place with
+    ``into_grad``, else through autograd. ``dtype``: the compute dtype (default the
+    weight's)."""
     cast = linear.config.cast_config_weight
     scale_and_cast = _compiled_scale_and_cast if linear.weight.is_cuda else _scale_and_cast
     with torch.no_grad():
         bits, scale = scale_and_cast(linear.weight, cast.target_dtype,
                                      linear.config.round_scales_to_power_of_2)
-    return _Cast.apply(linear.weight, bits, scale, linear.linear_mm_config).t()
+    return _Cast.apply(linear.weight, bits, scale, linear.linear_mm_config,
+                       dtype or linear.weight.dtype, into_grad).t()
 
 
 def step_cast_linears(model_parts: Sequence[nn.Module]) -> list[nn.Module]:
@@ -100,10 +113,13 @@ def step_cast_linears(model_parts: Sequence[nn.Module]) -> list[nn.Module]:
 
 class StepWeightCast(StepHook):
     """Casts the FP8 weights of ``linears`` before each step; the step's forwards and backwards
-    use them; they are dropped before the update (their values would be stale after it)."""
+    use them; they are dropped before the update (their values would be stale after it).
+    ``dtype``: the compute dtype; ``into_grad``: each backward adds its weight gradient into
+    ``.grad`` in place (not under a pipeline schedule, whose split backwards find the weights'
+    gradients through autograd)."""
 
-    def __init__(self, linears: Sequence[nn.Module]):
-        self.linears = list(linears)
+    def __init__(self, linears: Sequence[nn.Module], dtype: torch.dtype, into_grad: bool):
+        self.linears, self.dtype, self.into_grad = list(linears), dtype, into_grad
         for linear in self.linears:
             linear._step_fp8_weight_t = None
             linear.forward = types.MethodType(_forward, linear)
@@ -111,7 +127,7 @@ class StepWeightCast(StepHook):
     def before_step(self) -> None:
         with torch.enable_grad():
             for linear in self.linears:
-                linear._step_fp8_weight_t = cast_weight_t(linear)
+                linear._step_fp8_weight_t = cast_weight_t(linear, self.dtype, self.into_grad)
 
     def before_update(self) -> None:
         for linear in self.linears:
