@@ -35,7 +35,7 @@ def test_casting_once_per_step_trains_exactly_as_autocast_and_autograd(tmp_path,
             assert len(hook.linears) == 2 * 7 + 1
             real = step_weights.StepCast.apply
             monkeypatch.setattr(step_weights.StepCast, "apply",
-                                lambda w, d, real=real: casts.append(d) or real(w, d))
+                                lambda w, d, real=real, casts=casts: casts.append(d) or real(w, d))
 
             def seen(module, args, grads_seen=grads_seen):  # the step's copy in each forward
                 assert module._step_weight.dtype == torch.bfloat16
