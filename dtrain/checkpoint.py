@@ -7,11 +7,18 @@ other), the LR schedule, the step, the data loader's position and each rank's ra
 generator states (restored when the world size is unchanged). It is written under a
 ``.tmp`` name and renamed when every rank has finished, so a crash mid-save leaves the previous
 checkpoint as the latest usable one.
+
+Module extra states (Transformer Engine's FP8 scaling state, ``fp8.backend = "te"``: a serialised
+tensor whose size depends on its contents) are kept out of ``model``, whose keys are then the same
+for every FP8 backend and for bf16, and saved as bytes under ``fp8_meta``: a checkpoint of one
+backend loads into the others, and a TE run resumes its scaling state where the checkpoint has
+it (a run from a torchao or bf16 checkpoint starts TE's afresh).
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import re
 import shutil
 import time
@@ -50,6 +57,7 @@ from dtrain.hooks import StepHook
 from dtrain.log import logger
 
 _STEP = re.compile(r"^step-(\d+)$")
+EXTRA_STATE = "_extra_state"  # nn.Module's key for get_extra_state()
 # How a write that failed reaches us: DCP's exception wrapping each rank's (every rank gets it),
 # an OSError (ENOSPC, EIO, ...), or torch's file writer's RuntimeError after a short write.
 WRITE_ERRORS = (CheckpointException, OSError, RuntimeError)
@@ -120,7 +128,7 @@ class Checkpointer(StepHook):
 
     def _state(self, step: int) -> dict[str, Any]:
         return {
-            "model": get_model_state_dict(self.model),
+            **model_state(self.model),
             "optimizer": get_optimizer_state_dict(self.model, self.optimizer),
             "train": {"step": step, "scheduler": self.scheduler.state_dict(),
                       f"data_{self.data_key}": self.loader.state_dict(),
@@ -275,6 +283,7 @@ class Checkpointer(StepHook):
         # Generator states are per rank: restored only when this rank's state was saved (the
         # same world size); otherwise the run keeps its seeded generators.
         saved = _saved_keys(path)
+        extra = _restorable_extra(state, saved)
         saved_rng = f"train.rng.rank{self.rank}" in saved
         if not saved_rng:
             del state["train"]["rng"]
@@ -291,7 +300,7 @@ class Checkpointer(StepHook):
                         "It is damaged or was saved for another model shape or data source; "
                         "point checkpoint.folder elsewhere or set checkpoint.load_step to "
                         "another step")
-        set_model_state_dict(self.model, state["model"])
+        set_model_state_dict(self.model, _with_extra(state, extra))
         set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["train"]["scheduler"])
         self.loader.load_state_dict(state["train"][f"data_{self.data_key}"])
@@ -330,11 +339,53 @@ def load_model_weights(parts: list[nn.Module], path: str | Path) -> None:
     """Fills the model (any layout) with the weights of a checkpoint's ``model`` entry (an
     imported HF model, or a training checkpoint whose optimizer state is left out)."""
     model = whole_model_view(parts)
-    state = {"model": get_model_state_dict(model)}
+    state = model_state(model)
+    extra = _restorable_extra(state, _saved_keys(Path(path)))
     read_checkpoint(state, path, f"checkpoint.initial_weights = {str(path)!r}",
                     "Give a checkpoint of this model's shape (made by tools/convert_hf.py "
                     "import or by a dtrain run)")
-    set_model_state_dict(model, state["model"])
+    set_model_state_dict(model, _with_extra(state, extra))
+
+
+def model_state(model: nn.Module) -> dict[str, Any]:
+    """``{"model": ...}`` without the modules' extra states, and ``{"fp8_meta": ...}`` with
+    them as bytes where the model has any (Transformer Engine's linears)."""
+    full = get_model_state_dict(model)
+    state: dict[str, Any] = {"model": {k: v for k, v in full.items()
+                                       if not k.endswith(EXTRA_STATE)}}
+    extra = {k: io.BytesIO(_as_bytes(v)) for k, v in full.items() if k.endswith(EXTRA_STATE)}
+    if extra:
+        state["fp8_meta"] = extra
+    return state
+
+
+def _as_bytes(value: Any) -> bytes:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+    if isinstance(value, io.BytesIO):
+        return value.getvalue()
+    return bytes(value or b"")
+
+
+def _restorable_extra(state: dict[str, Any], saved: set[str]) -> dict[str, bytes]:
+    """Takes ``fp8_meta`` out of ``state`` (as ``model_state`` made it for this model) and puts
+    back only the entries the checkpoint has, to be read; returns the model's own extra states,
+    which stand in for the others (a checkpoint of another backend, or of bf16)."""
+    own = {k: v.getvalue() for k, v in state.pop("fp8_meta", {}).items()}
+    wanted = {k: io.BytesIO() for k in own if f"fp8_meta.{k}" in saved}
+    if wanted:
+        state["fp8_meta"] = wanted
+    return own
+
+
+def _with_extra(state: dict[str, Any], own: dict[str, bytes]) -> dict[str, Any]:
+    """The ``model`` entry with every extra state of the model: read from the checkpoint where
+    it was, the model's own elsewhere (uint8 tensors, as Transformer Engine serialises them)."""
+    read = {k: v.getvalue() for k, v in state.get("fp8_meta", {}).items()}
+    extra = {k: torch.frombuffer(bytearray(read.get(k, value)), dtype=torch.uint8)
+             if read.get(k, value) else torch.empty(0, dtype=torch.uint8)
+             for k, value in own.items()}
+    return {**state["model"], **extra}
 
 
 def read_checkpoint(state: dict[str, Any], path: str | Path, what: str, fix: str) -> None:

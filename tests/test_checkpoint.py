@@ -151,3 +151,67 @@ def test_expert_parallel_2_resumes_as_expert_parallel_4(tmp_path, moe_reference)
     (run,) = run_distributed(tmp_path / "b", 4, [{**common, "parallel.ep": 4}])
     assert [r["step"] for r in run["history"]] == [4, 5]
     assert losses(run["history"]) == pytest.approx(losses(moe_reference)[3:], rel=REL)
+
+
+class CountingLinear(torch.nn.Linear):
+    """A linear layer with an extra state whose size changes as it trains, as Transformer
+    Engine's FP8 linears serialise their scaling state (a uint8 tensor, ``_extra_state``)."""
+
+    calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return super().forward(x)
+
+    def get_extra_state(self):
+        return torch.arange(self.calls, dtype=torch.int64).to(torch.uint8)
+
+    def set_extra_state(self, state):
+        self.calls = state.numel()
+
+
+def with_extra_state(monkeypatch):
+    """Builds every run's wq layers as ``CountingLinear``."""
+    import dtrain.run
+
+    build = dtrain.run.build_model
+
+    def build_counting(*args, **kwargs):
+        built = build(*args, **kwargs)
+        for part in built.parts:
+            for name, module in part.named_modules():
+                if name.endswith("attention.wq"):
+                    module.__class__ = CountingLinear
+        return built
+
+    monkeypatch.setattr(dtrain.run, "build_model", build_counting)
+
+
+def wq_calls(run: Trainer) -> list[int]:
+    return [m.calls for m in run.model.modules() if isinstance(m, CountingLinear)]
+
+
+def test_extra_states_resume_and_checkpoints_load_across_layouts_with_and_without(
+        tmp_path, monkeypatch):
+    # A layout whose modules have extra states (TE's FP8 linears) saves them beside the model
+    # and resumes them, though their size differs from a fresh model's (DCP alone refuses).
+    with_extra_state(monkeypatch)
+    first = trainer(tmp_path / "te", 10)
+    first.train(until=5)
+    assert wq_calls(first) == [5 * 8] * 2  # 8 micro-batches a step
+    resumed = trainer(tmp_path / "te", 10)
+    assert resumed.step == 5 and wq_calls(resumed) == [40, 40]
+    weights = {k: v.clone() for k, v in first.model.state_dict().items()
+               if not k.endswith("_extra_state")}
+    monkeypatch.undo()
+    # Its checkpoint loads into the plain layout (torchao's and bf16's: no extra states) ...
+    plain = trainer(tmp_path / "te", 10)
+    assert plain.step == 5 and not wq_calls(plain)
+    assert all(torch.equal(v, weights[k]) for k, v in plain.model.state_dict().items())
+    assert len(losses(plain.train())) == 5
+    # ... and a plain checkpoint into the layout with extra states, which keep their own.
+    trainer(tmp_path / "bf16", 10).train(until=5)
+    with_extra_state(monkeypatch)
+    from_plain = trainer(tmp_path / "bf16", 10)
+    assert from_plain.step == 5 and wq_calls(from_plain) == [0, 0]
+    assert len(losses(from_plain.train())) == 5 and wq_calls(from_plain) == [40, 40]
