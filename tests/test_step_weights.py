@@ -10,7 +10,12 @@ from torch import nn
 
 from dtrain import Trainer, load_config
 from dtrain.parallel import step_weights
-from dtrain.parallel.step_weights import StepWeights, add_into_grad, step_weight_linears
+from dtrain.parallel.step_weights import (
+    StepWeights,
+    accumulate_matmul,
+    add_into_grad,
+    step_weight_linears,
+)
 
 BF16 = {"training.device": "cpu", "training.mixed_precision": "bf16", "model.n_layers": 2,
         "training.seq_len": 64, "training.global_batch_size": 4, "training.micro_batch_size": 1,
@@ -29,18 +34,19 @@ def test_casting_once_per_step_trains_exactly_as_autocast_and_autograd(tmp_path,
             "job.output_dir": str(tmp_path / str(once))}))
         hook = _hook(trainer)
         assert (hook is not None) is once
-        grads_seen, casts = {}, []
+        grads_seen, products = {}, []
         if once:
             # 7 linears a block and the output layer; the embedding is no linear
             assert len(hook.linears) == 2 * 7 + 1
-            real = step_weights.StepCast.apply
-            monkeypatch.setattr(step_weights.StepCast, "apply",
-                                lambda w, d, real=real, casts=casts: casts.append(d) or real(w, d))
+            real = step_weights.accumulate_matmul
+            monkeypatch.setattr(step_weights, "accumulate_matmul",
+                                lambda total, a, b, real=real, products=products:
+                                products.append(a.dtype) or real(total, a, b))
 
             def seen(module, args, grads_seen=grads_seen):  # the step's copy in each forward
-                assert module._step_weight.dtype == torch.bfloat16
-                grad = module.weight.grad
-                grads_seen.setdefault(id(module), []).append(None if grad is None else id(grad))
+                weight, grad = module._step
+                assert weight.dtype == torch.bfloat16 and grad is module.weight.grad
+                grads_seen.setdefault(id(module), []).append(id(grad))
 
             for linear in hook.linears:
                 linear.register_forward_pre_hook(seen)
@@ -48,13 +54,11 @@ def test_casting_once_per_step_trains_exactly_as_autocast_and_autograd(tmp_path,
         monkeypatch.undo()
         runs[once] = history, [p.detach().clone() for p in trainer.model.parameters()]
         if once:
-            # one cast per linear and step; within a step the .grad tensor is the same one
-            # (added into in place): None before the first micro-batch, then one tensor
-            assert casts == [torch.bfloat16] * (15 * 3)
+            # every backward adds its bf16 product into .grad, which is one tensor a step
+            assert products == [torch.bfloat16] * (15 * 4 * 3)
             for ids in grads_seen.values():
                 steps = [ids[i:i + 4] for i in range(0, 12, 4)]
-                assert len(ids) == 12 and all(
-                    s[0] is None and s[1] is not None and s[1] == s[2] == s[3] for s in steps)
+                assert len(ids) == 12 and all(len(set(s)) == 1 for s in steps)
     (once, w_once), (each, w_each) = runs[True], runs[False]
     assert [(r["loss"], r["grad_norm"]) for r in once] == \
         [(r["loss"], r["grad_norm"]) for r in each]
@@ -87,3 +91,35 @@ def test_add_into_grad_copies_first_then_adds_in_place():
     assert grad.dtype == torch.float32 and grad.is_contiguous() and torch.equal(grad, first.float())
     add_into_grad(param, torch.full((2, 3), 0.5, dtype=torch.bfloat16))
     assert param.grad is grad and torch.equal(grad, torch.full((2, 3), 1.5))
+
+
+def test_accumulate_matmul_adds_the_product_in_place_and_compiles():
+    total = torch.randn(6, 5)
+    a, b = torch.randn(6, 4, dtype=torch.bfloat16), torch.randn(4, 5, dtype=torch.bfloat16)
+    expected = total + (a @ b).float()
+    accumulate_matmul(total, a, b)
+    assert torch.equal(total, expected)
+
+    def step(total, a, b):
+        accumulate_matmul(total, a, b)
+        return total.sum()
+
+    compiled_total = torch.zeros(6, 5)
+    torch.compile(step, fullgraph=True)(compiled_total, a, b)
+    assert torch.equal(compiled_total, (a @ b).float())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="needs a GPU (cuBLAS's accumulating GEMM); its output is in "
+                           "docs/benchmarks.md")
+def test_on_the_gpu_the_gemm_accumulates_into_the_fp32_gradient():
+    torch.manual_seed(0)
+    total = torch.randn(512, 256, device="cuda")
+    a = torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(1024, 256, device="cuda", dtype=torch.bfloat16)
+    exact = total + a.double() @ b.double()
+    rounded = total + (a @ b).float()  # the product rounded to bf16 first, as autograd sums it
+    accumulate_matmul(total, a, b)
+    assert step_weights._gemm_accumulates(total.device)
+    error, rounded_error = ((t.double() - exact).abs().max() for t in (total, rounded))
+    assert error < rounded_error / 4  # summed in fp32: well under bf16's rounding of the product

@@ -6,10 +6,12 @@ casts each weight to bf16 (a read of 4 bytes and a write of 2 per parameter), an
 hands autograd a bf16 weight gradient, which it casts to an fp32 copy and then adds into
 ``.grad`` (6 + 12 bytes per parameter). The weights do not change inside a step, so
 ``StepWeights`` casts each linear's weight once, before the step's first micro-batch, and every
-forward uses that copy; the copy's backward (``StepCast``) adds the bf16 gradient into the fp32
-``.grad`` in place (one pass: 10 bytes per parameter), as Megatron-LM's gradient-accumulation
-fusion writes into its fp32 main gradients. The sums are the same numbers: the bf16 gradient is
-exactly representable in fp32 and added in fp32, as autograd adds it.
+forward uses that copy; its backward (``LinearInto``) adds the weight gradient into the fp32
+``.grad`` in place, on a GPU inside the weight-gradient GEMM itself (``accumulate_matmul``: the
+GEMM reads and writes the fp32 gradient, no bf16 product is written, cast or added), as
+Megatron-LM's gradient-accumulation fusion writes into its fp32 main gradients. On the GPU the
+product is summed into fp32 without first being rounded to bf16; on the CPU it is rounded and
+added as autograd adds it (the same numbers as without).
 
 For plain ``nn.Linear`` layers with fp32 weights that are whole tensors on the rank (no FSDP,
 which gathers bf16 weights itself, nor TP), with gradient accumulation (with one micro-batch a
@@ -20,6 +22,7 @@ those weights (2 bytes per parameter) for the step. The FP8 weights of
 
 from __future__ import annotations
 
+import functools
 import types
 from collections import Counter
 from collections.abc import Sequence
@@ -55,28 +58,66 @@ def add_into_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
     (_compiled[op] if grad.is_cuda else op)(param.grad, grad)
 
 
-class StepCast(torch.autograd.Function):
-    """``weight`` in ``dtype`` as a function of ``weight`` whose gradient is added into
-    ``weight.grad`` in place (``add_into_grad``) instead of returned."""
+@functools.cache
+def _gemm_accumulates(device: torch.device) -> bool:
+    """Whether this GPU's ``addmm`` takes bf16 operands into an fp32 output in place (cuBLAS
+    with beta 1; ``out_dtype``, torch 2.9 and later): checked once per device on a small
+    product."""
+    try:
+        total = torch.ones(64, 32, device=device)
+        a = torch.randn(64, 48, device=device, dtype=torch.bfloat16)
+        b = torch.randn(48, 32, device=device, dtype=torch.bfloat16)
+        expected = total + a.float() @ b.float()
+        torch.addmm(total, a, b, out_dtype=torch.float32, out=total)
+        return bool(torch.allclose(total, expected, rtol=1e-3, atol=1e-3))
+    except (RuntimeError, TypeError):
+        return False
+
+
+@torch.library.custom_op("dtrain::accumulate_matmul", mutates_args=("total",))
+def accumulate_matmul(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``total += a @ b`` in place: ``a`` and ``b`` in the compute dtype, ``total`` a weight's
+    fp32 gradient. On a GPU one GEMM that accumulates into ``total`` (cuBLAS's beta = 1: the
+    product is summed in fp32, never rounded to bf16, and no second pass reads it back: Megatron's
+    gradient-accumulation fusion); elsewhere the product, then an add."""
+    if total.is_cuda and _gemm_accumulates(total.device):
+        torch.addmm(total, a, b, out_dtype=total.dtype, out=total)
+    else:
+        total.add_(a @ b)
+
+
+@accumulate_matmul.register_fake
+def _(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    return None
+
+
+class LinearInto(torch.autograd.Function):
+    """``F.linear(x, weight)`` with ``weight`` the step's copy of a parameter in the compute
+    dtype; the weight gradient is added into ``grad`` (the parameter's fp32 ``.grad``) in place
+    by ``accumulate_matmul``, and the copy gets none from autograd."""
 
     @staticmethod
-    def forward(ctx, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        ctx.weight = weight
-        return weight.detach().to(dtype, copy=True)
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        ctx.input_dtype = x.dtype
+        x = x.to(weight.dtype)
+        ctx.save_for_backward(x, weight, grad)
+        return F.linear(x, weight)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[None, None]:
-        add_into_grad(ctx.weight, grad)
-        return None, None
+    def backward(ctx, grad_out: torch.Tensor):
+        x, weight, grad = ctx.saved_tensors
+        grad_out = grad_out.to(weight.dtype)
+        accumulate_matmul(grad, grad_out.flatten(0, -2).t(), x.flatten(0, -2))
+        return (grad_out @ weight).to(ctx.input_dtype), None, None
 
 
 def _forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
-    """``nn.Linear.forward`` with the step's weight where there is one (training), else the
-    module's own (evaluation, or before the first step)."""
-    weight = self._step_weight
-    if weight is None or not torch.is_grad_enabled():
+    """``nn.Linear.forward`` with the step's weight and gradient where there are (training),
+    else the module's own (evaluation, or before the first step)."""
+    if self._step is None or not torch.is_grad_enabled():
         return type(self).forward(self, input)
-    return F.linear(input, weight, self.bias)
+    output = LinearInto.apply(input, *self._step)
+    return output if self.bias is None else output + self.bias.to(output.dtype)
 
 
 def step_weight_linears(model_parts: Sequence[nn.Module]) -> list[nn.Linear]:
@@ -93,21 +134,24 @@ def step_weight_linears(model_parts: Sequence[nn.Module]) -> list[nn.Linear]:
 
 
 class StepWeights(StepHook):
-    """Casts the weights of ``linears`` to ``dtype`` before each step; every micro-batch's
-    forward uses the copies and adds its weight gradients into ``.grad`` in place; the copies
-    are dropped before the update (their values would be stale after it)."""
+    """Casts the weights of ``linears`` to ``dtype`` before each step and gives each a zero
+    ``.grad`` (where it has none); every micro-batch's forward uses the copies, and its backward
+    adds the weight gradients into ``.grad`` in place (``LinearInto``); the copies are dropped
+    before the update (their values would be stale after it)."""
 
     def __init__(self, linears: Sequence[nn.Linear], dtype: torch.dtype):
         self.linears, self.dtype = list(linears), dtype
         for linear in self.linears:
-            linear._step_weight = None
+            linear._step = None
             linear.forward = types.MethodType(_forward, linear)
 
     def before_step(self) -> None:
-        with torch.enable_grad():
-            for linear in self.linears:
-                linear._step_weight = StepCast.apply(linear.weight, self.dtype)
+        for linear in self.linears:
+            weight = linear.weight
+            if weight.grad is None:
+                weight.grad = torch.zeros_like(weight)
+            linear._step = (weight.detach().to(self.dtype), weight.grad)
 
     def before_update(self) -> None:
         for linear in self.linears:
-            linear._step_weight = None
+            linear._step = None
