@@ -82,3 +82,54 @@ def test_te_checkpoints_resume_and_load_into_torchao_and_bf16_and_back(tmp_path)
     back = run("ao", "te")
     assert back.step == 2
     assert [r["loss"] for r in back.train(until=3)] == pytest.approx(reference[2:3], rel=2e-2)
+
+
+def test_te_linears_train_under_fsdp2_like_the_unsharded_model():
+    """TE's linears under dtrain's FSDP2 units (``apply_fsdp`` on a one-rank mesh: FSDP2's
+    parameter swapping, bf16 compute and fp32 gradient reduction, as on any data-parallel
+    layout; more ranks need more GPUs than one) train like the unsharded TE model under
+    autocast, for both recipes."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dtrain.config import FP8Config
+    from dtrain.models.llama import LlamaArgs, Transformer
+    from dtrain.parallel.fp8 import convert_to_fp8
+    from dtrain.parallel.fsdp import apply_fsdp
+
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29531", rank=0,
+                                world_size=1)
+    tokens = torch.randint(0, 1024, (4, 8, 257), generator=torch.Generator().manual_seed(0))
+    try:
+        for recipe in ("delayed", "current"):
+            losses = {}
+            for fsdp in (False, True):
+                with torch.device("meta"):
+                    model = Transformer(LlamaArgs(dim=256, n_layers=2, n_heads=4, n_kv_heads=2,
+                                                  vocab_size=1024, max_seq_len=256))
+                converted, _, _ = convert_to_fp8(model, FP8Config(
+                    enabled=True, backend="te", recipe=recipe), fsdp)
+                assert len(converted) == 14
+                if fsdp:
+                    apply_fsdp(model, init_device_mesh("cuda", (1,)), torch.bfloat16,
+                               torch.float32)
+                model.to_empty(device="cuda")
+                model.init_weights(0)
+                optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+                losses[fsdp] = []
+                for batch in tokens.cuda():
+                    with torch.autocast("cuda", torch.bfloat16, enabled=not fsdp):
+                        logits = model(batch[:, :-1])
+                    loss = torch.nn.functional.cross_entropy(
+                        logits.float().flatten(0, 1), batch[:, 1:].flatten())
+                    loss.backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+                    losses[fsdp].append(loss.item())
+            assert losses[True] == pytest.approx(losses[False], rel=2e-2)
+            assert losses[True][-1] < losses[True][0]
+    finally:
+        if owned:
+            dist.destroy_process_group()
