@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import re
 import shutil
 import time
@@ -283,7 +284,7 @@ class Checkpointer(StepHook):
         # Generator states are per rank: restored only when this rank's state was saved (the
         # same world size); otherwise the run keeps its seeded generators.
         saved = _saved_keys(path)
-        extra = _restorable_extra(state, saved)
+        extra = _restorable_extra(state, saved, self.model)
         saved_rng = f"train.rng.rank{self.rank}" in saved
         if not saved_rng:
             del state["train"]["rng"]
@@ -340,7 +341,7 @@ def load_model_weights(parts: list[nn.Module], path: str | Path) -> None:
     imported HF model, or a training checkpoint whose optimizer state is left out)."""
     model = whole_model_view(parts)
     state = model_state(model)
-    extra = _restorable_extra(state, _saved_keys(Path(path)))
+    extra = _restorable_extra(state, _saved_keys(Path(path)), model)
     read_checkpoint(state, path, f"checkpoint.initial_weights = {str(path)!r}",
                     "Give a checkpoint of this model's shape (made by tools/convert_hf.py "
                     "import or by a dtrain run)")
@@ -367,12 +368,28 @@ def _as_bytes(value: Any) -> bytes:
     return bytes(value or b"")
 
 
-def _restorable_extra(state: dict[str, Any], saved: set[str]) -> dict[str, bytes]:
+# Transformer Engine unpickles its delayed-scaling state only when this is set (a pickle can run
+# code: for checkpoints one trusts); without it a resume keeps TE's fresh scaling state.
+TE_PICKLE = "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE"
+
+
+def _restorable_extra(state: dict[str, Any], saved: set[str],
+                      model: nn.Module) -> dict[str, bytes]:
     """Takes ``fp8_meta`` out of ``state`` (as ``model_state`` made it for this model) and puts
     back only the entries the checkpoint has, to be read; returns the model's own extra states,
-    which stand in for the others (a checkpoint of another backend, or of bf16)."""
+    which stand in for the others (a checkpoint of another backend, or of bf16). Transformer
+    Engine's are read only under ``NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1`` (TE refuses them
+    otherwise); without it one line says that TE's scaling starts afresh."""
     own = {k: v.getvalue() for k, v in state.pop("fp8_meta", {}).items()}
     wanted = {k: io.BytesIO() for k in own if f"fp8_meta.{k}" in saved}
+    te = [k for k in wanted if type(model.get_submodule(k.rpartition(".")[0])).__module__
+          .startswith("transformer_engine")]
+    if te and os.environ.get(TE_PICKLE) != "1":
+        logger.warning(f"checkpoint: Transformer Engine's FP8 scaling state of {len(te)} layers "
+                       f"not restored (TE reads it only with {TE_PICKLE}=1, for checkpoints you "
+                       "trust); their scales start afresh")
+        for k in te:
+            del wanted[k]
     if wanted:
         state["fp8_meta"] = wanted
     return own
