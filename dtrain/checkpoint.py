@@ -56,6 +56,7 @@ from dtrain.config import CheckpointConfig, ConfigError
 from dtrain.dtensor import local
 from dtrain.hooks import StepHook
 from dtrain.log import logger
+from dtrain.models.llama import canonical_name
 
 _STEP = re.compile(r"^step-(\d+)$")
 EXTRA_STATE = "_extra_state"  # nn.Module's key for get_extra_state()
@@ -349,23 +350,16 @@ def load_model_weights(parts: list[nn.Module], path: str | Path) -> None:
 
 
 def model_state(model: nn.Module) -> dict[str, Any]:
-    """``{"model": ...}`` without the modules' extra states, and ``{"fp8_meta": ...}`` with
-    them as bytes where the model has any (Transformer Engine's linears)."""
+    """``{"model": ...}`` without the modules' tensor extra states, and ``{"fp8_meta": ...}``
+    with them as bytes where the model has any (Transformer Engine's linears)."""
     full = get_model_state_dict(model)
-    state: dict[str, Any] = {"model": {k: v for k, v in full.items()
-                                       if not k.endswith(EXTRA_STATE)}}
-    extra = {k: io.BytesIO(_as_bytes(v)) for k, v in full.items() if k.endswith(EXTRA_STATE)}
+    extra = {k: v for k, v in full.items()
+             if k.endswith(EXTRA_STATE) and isinstance(v, torch.Tensor)}
+    state: dict[str, Any] = {"model": {k: v for k, v in full.items() if k not in extra}}
     if extra:
-        state["fp8_meta"] = extra
+        state["fp8_meta"] = {k: io.BytesIO(v.detach().cpu().contiguous().view(torch.uint8)
+                                           .numpy().tobytes()) for k, v in extra.items()}
     return state
-
-
-def _as_bytes(value: Any) -> bytes:
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
-    if isinstance(value, io.BytesIO):
-        return value.getvalue()
-    return bytes(value or b"")
 
 
 # Transformer Engine unpickles its delayed-scaling state only when this is set (a pickle can run
@@ -382,8 +376,9 @@ def _restorable_extra(state: dict[str, Any], saved: set[str],
     otherwise); without it one line says that TE's scaling starts afresh."""
     own = {k: v.getvalue() for k, v in state.pop("fp8_meta", {}).items()}
     wanted = {k: io.BytesIO() for k in own if f"fp8_meta.{k}" in saved}
-    te = [k for k in wanted if type(model.get_submodule(k.rpartition(".")[0])).__module__
-          .startswith("transformer_engine")]
+    te_modules = {canonical_name(name) for name, module in model.named_modules()
+                  if type(module).__module__.startswith("transformer_engine")}
+    te = [k for k in wanted if k.rpartition(".")[0] in te_modules]
     if te and os.environ.get(TE_PICKLE) != "1":
         logger.warning(f"checkpoint: Transformer Engine's FP8 scaling state of {len(te)} layers "
                        f"not restored (TE reads it only with {TE_PICKLE}=1, for checkpoints you "
@@ -399,9 +394,9 @@ def _with_extra(state: dict[str, Any], own: dict[str, bytes]) -> dict[str, Any]:
     """The ``model`` entry with every extra state of the model: read from the checkpoint where
     it was, the model's own elsewhere (uint8 tensors, as Transformer Engine serialises them)."""
     read = {k: v.getvalue() for k, v in state.get("fp8_meta", {}).items()}
-    extra = {k: torch.frombuffer(bytearray(read.get(k, value)), dtype=torch.uint8)
-             if read.get(k, value) else torch.empty(0, dtype=torch.uint8)
-             for k, value in own.items()}
+    extra = {k: torch.frombuffer(bytearray(data), dtype=torch.uint8) if data
+             else torch.empty(0, dtype=torch.uint8)
+             for k, data in ((k, read.get(k, value)) for k, value in own.items())}
     return {**state["model"], **extra}
 
 

@@ -110,14 +110,15 @@ class Run:
             part.train()
         self.model = self.model_parts[0]
         # FSDP casts parameters itself; without it, autocast gives bf16 compute on fp32 weights.
-        autocast = self.compute_dtype == torch.bfloat16 and not (
+        self.autocast = self.compute_dtype == torch.bfloat16 and not (
             self.mesh is not None and dims.fsdp_enabled)
         # With loss parallel the logits are vocabulary-sharded DTensors: the loss runs under
         # loss_parallel() and is left uncompiled.
         sharded_loss = dims.tp > 1 and cfg.parallel.loss_parallel
         self.loss_fn = torch.compile(cross_entropy_sum) \
             if cfg.compile.enabled and not sharded_loss else cross_entropy_sum
-        self.context = step_context(self.device.type, self.compute_dtype, autocast, sharded_loss)
+        self.context = step_context(self.device.type, self.compute_dtype, self.autocast,
+                                    sharded_loss)
         # Each rank's gradient is averaged over dp x cp by FSDP (a cp rank's loss covers only its
         # tokens): scaled so that the result is the gradient of the global batch's mean loss.
         scale = dims.dp * dims.cp / self.tokens_per_step
@@ -189,10 +190,8 @@ class Run:
     def _step_weights(self) -> StepWeights | None:
         """The bf16 linears' weights cast once per step, with gradient accumulation, where
         autocast computes on fp32 weights whole on the rank (no FSDP nor pipeline)."""
-        dims = self.dims
         if (not self.config.model.cast_weights_once_per_step or self.grad_accum == 1
-                or self.compute_dtype != torch.bfloat16 or dims.fsdp_enabled
-                or self.pipeline is not None):
+                or not self.autocast or self.pipeline is not None):
             return None
         linears = step_weight_linears(self.model_parts)
         return StepWeights(linears, self.compute_dtype) if linears else None

@@ -10,12 +10,8 @@ from torch import nn
 
 from dtrain import Trainer, load_config
 from dtrain.parallel import step_weights
-from dtrain.parallel.step_weights import (
-    StepWeights,
-    accumulate_matmul,
-    add_into_grad,
-    step_weight_linears,
-)
+from dtrain.parallel.fp8_step_cast import add_into_grad
+from dtrain.parallel.step_weights import StepWeights, accumulate_matmul, step_weight_linears
 
 BF16 = {"training.device": "cpu", "training.mixed_precision": "bf16", "model.n_layers": 2,
         "training.seq_len": 64, "training.global_batch_size": 4, "training.micro_batch_size": 1,

@@ -6,7 +6,7 @@ of the fp32 weight for its absolute maximum and another for the cast. The weight
 inside a step, so ``StepWeightCast`` casts each one once, before the step's first micro-batch,
 and every forward and backward of the step uses that FP8 weight (torchao's matmul takes an
 already-cast weight as it is). The cast's backward adds the weight gradient (bf16 under
-autocast) into the fp32 ``.grad`` in place (``step_weights.add_into_grad``: one pass, where
+autocast) into the fp32 ``.grad`` in place (``add_into_grad``: one pass, where
 autograd would cast it to an fp32 copy and add that). The FP8 bits and scale are torchao's own
 cast's (tensorwise scaling), and the gradients sum to the same numbers.
 
@@ -25,7 +25,6 @@ import torch
 from torch import nn
 
 from dtrain.hooks import StepHook
-from dtrain.parallel.step_weights import add_into_grad
 
 
 def _forward(self, input: torch.Tensor) -> torch.Tensor:
@@ -58,6 +57,30 @@ def _scale_and_cast(weight: torch.Tensor, dtype: torch.dtype,
 
 # On the GPU one reduction and one pointwise kernel per weight; eager kernels elsewhere.
 _compiled_scale_and_cast = torch.compile(_scale_and_cast, fullgraph=True, dynamic=False)
+
+
+def _add(total: torch.Tensor, grad: torch.Tensor) -> None:
+    total.add_(grad)
+
+
+def _copy(total: torch.Tensor, grad: torch.Tensor) -> None:
+    total.copy_(grad)
+
+
+# On the GPU one vectorised kernel each (eager's add of mixed dtypes is its slower unrolled
+# kernel: 2.8 TB/s on an H200; shapes after the first are compiled dynamic); eager elsewhere.
+_compiled = {op: torch.compile(op, fullgraph=True) for op in (_add, _copy)}
+
+
+def add_into_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
+    """Adds ``grad`` (any float dtype) into ``param.grad`` in place, in ``param``'s dtype; the
+    first gradient of a step becomes a new contiguous ``.grad``. The backward of a step's weight
+    calls this and returns no gradient, so autograd neither casts nor accumulates a copy."""
+    first = param.grad is None
+    if first:
+        param.grad = torch.empty_like(param, memory_format=torch.contiguous_format)
+    op = _copy if first else _add
+    (_compiled[op] if grad.is_cuda else op)(param.grad, grad)
 
 
 class _Cast(torch.autograd.Function):

@@ -16,8 +16,8 @@ added as autograd adds it (the same numbers as without).
 For plain ``nn.Linear`` layers with fp32 weights that are whole tensors on the rank (no FSDP,
 which gathers bf16 weights itself, nor TP), with gradient accumulation (with one micro-batch a
 step there is nothing to reuse, and the copy would only be held longer). Costs a bf16 copy of
-those weights (2 bytes per parameter) for the step. The FP8 weights of
-``dtrain.parallel.fp8_step_cast`` use ``add_into_grad`` the same way.
+those weights (2 bytes per parameter) for the step. (FP8 linears are torchao's: there
+``dtrain.parallel.fp8_step_cast`` adds the weight gradient into ``.grad`` after torchao's GEMM.)
 """
 
 from __future__ import annotations
@@ -32,30 +32,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from dtrain.hooks import StepHook
-
-
-def _add(total: torch.Tensor, grad: torch.Tensor) -> None:
-    total.add_(grad)
-
-
-def _copy(total: torch.Tensor, grad: torch.Tensor) -> None:
-    total.copy_(grad)
-
-
-# On the GPU one vectorised kernel each (eager's add of mixed dtypes is its slower unrolled
-# kernel: 2.8 TB/s on an H200; shapes after the first are compiled dynamic); eager elsewhere.
-_compiled = {op: torch.compile(op, fullgraph=True) for op in (_add, _copy)}
-
-
-def add_into_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
-    """Adds ``grad`` (any float dtype) into ``param.grad`` in place, in ``param``'s dtype; the
-    first gradient of a step becomes a new contiguous ``.grad``. The backward of a step's weight
-    calls this and returns no gradient, so autograd neither casts nor accumulates a copy."""
-    first = param.grad is None
-    if first:
-        param.grad = torch.empty_like(param, memory_format=torch.contiguous_format)
-    op = _copy if first else _add
-    (_compiled[op] if grad.is_cuda else op)(param.grad, grad)
 
 
 @functools.cache
