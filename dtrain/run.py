@@ -34,6 +34,7 @@ from dtrain.models.grouped_gemm import ExpertWeightCasts
 from dtrain.models.moe import GroupedExperts
 from dtrain.nonfinite import NonFiniteSteps
 from dtrain.optim import build_lr_scheduler, build_optimizer
+from dtrain.parallel.compile import inductor_options
 from dtrain.parallel.expert import MoEStats, moe_layers
 from dtrain.parallel.fp8 import (
     ScaleRefresh,
@@ -115,7 +116,8 @@ class Run:
         # With loss parallel the logits are vocabulary-sharded DTensors: the loss runs under
         # loss_parallel() and is left uncompiled.
         sharded_loss = dims.tp > 1 and cfg.parallel.loss_parallel
-        self.loss_fn = torch.compile(cross_entropy_sum) \
+        self.loss_fn = torch.compile(cross_entropy_sum, options=inductor_options(
+            False, cfg.compile.tune_kernels) or None) \
             if cfg.compile.enabled and not sharded_loss else cross_entropy_sum
         self.context = step_context(self.device.type, self.compute_dtype, self.autocast,
                                     sharded_loss)

@@ -472,8 +472,10 @@ def test_casting_once_per_step_trains_exactly_as_casting_in_every_micro_batch(tm
     assert all(torch.equal(a, b) for a, b in zip(weights_once, weights_each, strict=True))
 
 
-@pytest.mark.parametrize("fp8_enabled", [True, False])
-def test_fp8_blocks_compile_without_mix_order_reductions(monkeypatch, fp8_enabled, tmp_path):
+@pytest.mark.parametrize("fp8_enabled,tune_kernels", [(True, False), (False, False),
+                                                      (True, True), (False, True)])
+def test_fp8_blocks_compile_without_mix_order_reductions(monkeypatch, fp8_enabled, tune_kernels,
+                                                         tmp_path):
     from dtrain.build import build_model
     from dtrain.parallel import ParallelDims
 
@@ -482,11 +484,12 @@ def test_fp8_blocks_compile_without_mix_order_reductions(monkeypatch, fp8_enable
     monkeypatch.setattr(torch, "compile", lambda fn=None, **kw: compiles.append(kw) or real(
         fn, **kw))
     cfg = load_config("debug", {"fp8.enabled": fp8_enabled, "fp8.emulate": True,
-                                "compile.enabled": True, "model.n_layers": 2,
-                                "job.output_dir": str(tmp_path)})
+                                "compile.enabled": True, "compile.tune_kernels": tune_kernels,
+                                "model.n_layers": 2, "job.output_dir": str(tmp_path)})
     dims = ParallelDims.from_config(cfg.parallel, 1)
     build_model(cfg, dims, None, "cpu", 4096, 1)
     blocks = [kw for kw in compiles if "fullgraph" in kw]
     assert len(blocks) == 2
-    expected = {"triton.mix_order_reduction": False} if fp8_enabled else None
-    assert all(kw["options"] == expected for kw in blocks)
+    expected = ({"triton.mix_order_reduction": False} if fp8_enabled else {}) | (
+        {"coordinate_descent_tuning": True} if tune_kernels else {})
+    assert all(kw["options"] == (expected or None) for kw in blocks)

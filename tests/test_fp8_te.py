@@ -52,15 +52,19 @@ def test_compiled_te_blocks_train_like_eager_ones(tmp_path, recipe):
     assert losses[True][-1] < losses[True][0]
 
 
-def test_te_checkpoints_resume_and_load_into_torchao_and_bf16_and_back(tmp_path, monkeypatch):
-    """A TE run (delayed scaling: its amax histories are state) saves at step 2; it resumes
-    with its scaling state, and the same checkpoint loads into torchao FP8 and bf16 runs; a
-    torchao checkpoint loads into TE. Every resumed run continues from the saved weights: its
-    step-3 loss is within 2% of the uninterrupted TE run's (the torchao and bf16 runs compute that
-    step in another precision, so not bitwise; a wrong or missing weight would be far off). (TE
+@pytest.mark.parametrize("compiled", [False, True])
+def test_te_checkpoints_resume_and_load_into_torchao_and_bf16_and_back(tmp_path, monkeypatch,
+                                                                      compiled):
+    """Eager and compiled (module names then carry ``_orig_mod``). A TE run (delayed scaling:
+    its amax histories are state) saves at step 2; it resumes with its scaling state, and the
+    same checkpoint loads into torchao FP8 and bf16 runs; a torchao checkpoint loads into TE.
+    Every resumed run continues from the saved weights: its step-3 loss is within 2% of the
+    uninterrupted TE run's (the torchao and bf16 runs compute that step in another precision,
+    so not bitwise; a wrong or missing weight would be far off). (TE
     unpickles its scaling state only with NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1.)"""
     monkeypatch.setenv("NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE", "1")
-    ckpt = {**TE, "fp8.recipe": "delayed", "checkpoint.enabled": True, "checkpoint.interval": 2}
+    ckpt = {**TE, "fp8.recipe": "delayed", "checkpoint.enabled": True, "checkpoint.interval": 2,
+            "compile.enabled": compiled}
     layouts = {"te": {}, "torchao": {"fp8.backend": "torchao", "fp8.recipe": "tensorwise"},
                "bf16": {"fp8.enabled": False}}
 

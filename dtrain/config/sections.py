@@ -283,6 +283,10 @@ class ActivationCheckpointConfig:
 class CompileConfig:
     enabled: bool = False
     """torch.compile each transformer block and the loss."""
+    tune_kernels: bool = False
+    """Inductor's coordinate-descent tuning: each generated norm, activation and cast kernel
+    has its block sizes searched on the GPU at its first compile (a longer first compile, then
+    cached)."""
 
 
 @dataclass

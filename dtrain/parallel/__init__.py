@@ -45,7 +45,8 @@ def parallelize(model: Transformer, dims: ParallelDims, mesh: DeviceMesh | None,
         # linears run outside the graphs (dtrain.parallel.fp8), each a break in its block.
         te = fp8 is not None and fp8.enabled and fp8.backend == "te"
         apply_compile(model, fullgraph=not (model.args.n_experts or te),
-                      options=inductor_options(fp8 is not None and fp8.enabled))
+                      options=inductor_options(fp8 is not None and fp8.enabled,
+                                               compile.tune_kernels))
     if mesh is not None and dims.fsdp_enabled:
         reduce_dtype = torch.float32 if parallel.fsdp_reduce_dtype == "fp32" else torch.bfloat16
         apply_fsdp(model, dims.fsdp_mesh(), param_dtype, reduce_dtype,
