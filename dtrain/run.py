@@ -141,7 +141,7 @@ class Run:
                                             cfg.optimizer.lr)
         units_on_gpu = fsdp_units_on_gpu(self.device, self.world_size, self.dims.fsdp_enabled,
                                          self.dims.pp, cfg.parallel.fsdp_cpu_offload)
-        overlap = cfg.optimizer.overlap_step and units_on_gpu
+        overlap = cfg.optimizer.overlap_step and (units_on_gpu or self._whole_dense_on_gpu())
         # FP8 all-gather under the overlapped step: each unit's scales right after its update,
         # on a communicator of their own (fp8.UnitScales).
         unit_scales = UnitScales(self.model_parts, dist.new_group()) \
@@ -178,6 +178,18 @@ class Run:
             if cfg.parallel.fsdp_reshard_after_forward == "auto" and units_on_gpu else None,
         ])
 
+    def _whole_dense_on_gpu(self) -> bool:
+        """One GPU holding a dense model's whole weights (no FSDP, TP nor pipeline): where the
+        overlapped step runs block by block, its hooks' weight casts each block's in turn."""
+        dims = self.dims
+        return (self.device.type == "cuda" and not dims.fsdp_enabled and dims.tp == 1
+                and dims.pp == 1 and not self.model.args.n_experts)
+
+    def _cast_units(self) -> list[torch.nn.Module]:
+        """The units whose weights the step hooks cast before each one's first forward (the
+        overlapped step without FSDP); none otherwise (the casts run before the step)."""
+        return self.overlapped_step.modules if self.overlapped_step is not None else []
+
     def _step_weight_cast(self) -> StepHook | None:
         fp8 = self.config.fp8
         if not (fp8.enabled and fp8.cast_weights_once_per_step):
@@ -186,8 +198,8 @@ class Run:
             linears = te_linears(self.model_parts)
             return TEFirstMicrobatch(linears) if linears and not self.dims.fsdp_enabled else None
         linears = step_cast_linears(self.model_parts)
-        return StepWeightCast(linears, self.compute_dtype, into_grad=self.pipeline is None) \
-            if linears else None
+        return StepWeightCast(linears, self.compute_dtype, into_grad=self.pipeline is None,
+                              units=self._cast_units()) if linears else None
 
     def _step_weights(self) -> StepWeights | None:
         """The bf16 linears' weights cast once per step, with gradient accumulation, where
@@ -196,7 +208,7 @@ class Run:
                 or not self.autocast or self.pipeline is not None):
             return None
         linears = step_weight_linears(self.model_parts)
-        return StepWeights(linears, self.compute_dtype) if linears else None
+        return StepWeights(linears, self.compute_dtype, self._cast_units()) if linears else None
 
     def _expert_weight_casts(self) -> ExpertWeightCasts | None:
         """The experts' weights cast once per step, where their grouped GEMMs run and the

@@ -8,11 +8,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from dtrain import Trainer, load_config
 from dtrain.config import OptimizerConfig
 from dtrain.models import build
 from dtrain.optim import build_optimizer, clip_grad_norm_
 from dtrain.parallel.fsdp import apply_fsdp, keep_gathered
-from dtrain.parallel.overlap import OverlappedStep, fsdp_units, only, unit_groups
+from dtrain.parallel.overlap import OverlappedStep, fsdp_units, module_units, only, unit_groups
 
 
 @pytest.fixture
@@ -96,3 +97,78 @@ def test_keep_gathered_fills_the_headroom_from_the_last_block_back(mesh):
     assert resharding() == [True, False, False]
     assert keep_gathered(model, 10 * block_bytes, torch.bfloat16) == 2
     assert resharding() == [False, False, False]
+
+
+# ---- without FSDP: block by block on one GPU ------------------------------------------------
+
+def test_module_units_are_the_blocks_in_forward_order_and_tied_weights_stay_first():
+    for tied in (False, True):
+        model = build("llama3_debug", device="cpu", seed=0, n_layers=3, tie_embeddings=tied)
+        units = module_units([model])
+        names = {id(p): n.split(".") for n, p in model.named_parameters()}
+        prefixes = [{".".join(names[id(p)][:2 if names[id(p)][0] == "layers" else 1])
+                     for p in params} for _, params in units]
+        assert prefixes == [{"tok_embeddings"}, {"layers.0"}, {"layers.1"}, {"layers.2"},
+                            {"norm"}] + ([] if tied else [{"output"}])
+        assert [m for m, _ in units][1:4] == list(model.layers.values())
+        flat = [id(p) for _, params in units for p in params]
+        assert sorted(flat) == sorted(id(p) for p in model.parameters())
+
+
+BLOCKS = {"model.n_layers": 2, "training.seq_len": 64, "training.global_batch_size": 4,
+          "training.micro_batch_size": 1, "training.steps": 3, "metrics.log_every": 1,
+          "metrics.tensorboard": False}
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+    reason="needs a GPU with FP8 (the side stream); its output is in docs/benchmarks.md"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_block_by_block_step_with_casts_per_block_trains_exactly_as_the_whole_step(
+        tmp_path, monkeypatch, device, precision):
+    """One device, whole weights: the overlapped step updates block by block (on the GPU on a
+    side stream, each block's forward waiting for its own update) and the step hooks cast each
+    block's weights before its first forward (bf16 step weights; FP8 step casts): losses,
+    gradient norms and weights equal the whole step's, bit for bit. On the CPU, where the run
+    takes the whole step, the block-by-block path is switched on for the test. On the GPU,
+    where attention's backward may sum in a different order from run to run, the whole step
+    runs twice: where those two differ, the overlapped run may differ from them by as much."""
+    from dtrain.parallel.fp8_step_cast import StepWeightCast
+    from dtrain.parallel.step_weights import StepWeights
+    from dtrain.run import Run
+
+    if device == "cpu":
+        monkeypatch.setattr(Run, "_whole_dense_on_gpu", lambda self: True)
+    layout = {"bf16": {"training.mixed_precision": "bf16"},
+              "fp8": {"fp8.enabled": True, "fp8.emulate": device == "cpu"}}[precision]
+    hook_type = StepWeights if precision == "bf16" else StepWeightCast
+    runs = {}
+    for overlap in (True, False) + ((None,) if device == "cuda" else ()):
+        trainer = Trainer(load_config("debug", {
+            **BLOCKS, **layout, "training.device": device,
+            "optimizer.overlap_step": bool(overlap),
+            "job.output_dir": str(tmp_path / str(overlap))}))
+        hook = next(h for h in trainer.hooks.hooks if isinstance(h, hook_type))
+        assert (trainer.overlapped_step is not None) is overlap
+        assert (hook.per_unit is not None) is overlap
+        casts = []
+        if overlap:
+            assert len(trainer.overlapped_step.units) == 5  # embedding, 2 blocks, norm, output
+            cast = hook.per_unit.cast
+            hook.per_unit.cast = lambda members, cast=cast, casts=casts: \
+                casts.append(len(members)) or cast(members)
+        history = trainer.train()
+        runs[overlap] = ([(r["loss"], r["grad_norm"]) for r in history],
+                         [p.detach().float().cpu() for p in trainer.model.parameters()])
+        if overlap:  # each block's 7 linears once a step (bf16: the output layer too)
+            assert casts == ([7, 7, 1] if precision == "bf16" else [7, 7]) * 3
+
+    def distance(a, b):  # the largest difference in the figures or any weight
+        figures = max(abs(x - y) for fa, fb in zip(a[0], b[0], strict=True)
+                      for x, y in zip(fa, fb, strict=True))
+        weights = max((x - y).abs().max().item() for x, y in zip(a[1], b[1], strict=True))
+        return max(figures, weights)
+
+    noise = distance(runs[False], runs[None]) if device == "cuda" else 0.0
+    assert distance(runs[True], runs[False]) <= noise

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from dtrain.hooks import StepHook
+from dtrain.parallel.overlap import CastPerUnit
 
 
 def _forward(self, input: torch.Tensor) -> torch.Tensor:
@@ -141,17 +142,28 @@ class StepWeightCast(StepHook):
     ``.grad`` in place (not under a pipeline schedule, whose split backwards find the weights'
     gradients through autograd)."""
 
-    def __init__(self, linears: Sequence[nn.Module], dtype: torch.dtype, into_grad: bool):
+    def __init__(self, linears: Sequence[nn.Module], dtype: torch.dtype, into_grad: bool,
+                 units: Sequence[nn.Module] = ()):
         self.linears, self.dtype, self.into_grad = list(linears), dtype, into_grad
         for linear in self.linears:
             linear._step_fp8_weight_t = None
             linear.forward = types.MethodType(_forward, linear)
+        # Under the overlapped step without FSDP: each unit's casts before its first forward.
+        self.per_unit = CastPerUnit(units, self.linears, self._cast) if units else None
 
-    def before_step(self) -> None:
+    def _cast(self, linears: Sequence[nn.Module]) -> None:
         with torch.enable_grad():
-            for linear in self.linears:
+            for linear in linears:
                 linear._step_fp8_weight_t = cast_weight_t(linear, self.dtype, self.into_grad)
 
+    def before_step(self) -> None:
+        if self.per_unit is not None:
+            self.per_unit.arm()
+        else:
+            self._cast(self.linears)
+
     def before_update(self) -> None:
+        if self.per_unit is not None:
+            self.per_unit.disarm()
         for linear in self.linears:
             linear._step_fp8_weight_t = None

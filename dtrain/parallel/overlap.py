@@ -17,6 +17,12 @@ FSDP2 makes its all-gather streams wait for the compute stream once per forward,
 (``FSDPModule.set_post_optim_event`` replaces that one wait). A wait per unit needs the streams
 FSDP2 shares between its units (``FSDPState._comm_ctx``), which are not public API; where they are
 missing (another torch version), the step runs whole on the compute stream, as without overlap.
+
+Without FSDP (weights whole on one GPU) the units are the model's top-level modules, each
+transformer block its own (``module_units``), and the compute stream itself waits for a unit's
+update before the unit's forward. Step hooks that cast the weights before the step (bf16 or FP8
+copies for the micro-batches) then cast each unit's weights before its first forward instead
+(``CastPerUnit``), after that wait.
 """
 
 from __future__ import annotations
@@ -50,6 +56,27 @@ def fsdp_units(parts: Sequence[nn.Module]) -> list[tuple[object, list[nn.Paramet
     for part in parts:
         walk(part, None)
     return list(owned.items())
+
+
+def module_units(parts: Sequence[nn.Module]) -> list[tuple[nn.Module, list[nn.Parameter]]]:
+    """(module, parameters) for the top-level modules of each part, each transformer block its
+    own, in module order, which is the order the forward reaches them; a parameter shared with
+    an earlier module (tied embeddings) stays with that one. For weights without FSDP."""
+    units: list[tuple[nn.Module, list[nn.Parameter]]] = []
+    seen: set[int] = set()
+
+    def add(module: nn.Module, params) -> None:
+        kept = [p for p in params if id(p) not in seen]
+        seen.update(id(p) for p in kept)
+        if kept:
+            units.append((module, kept))
+
+    for part in parts:
+        add(part, part.parameters(recurse=False))
+        for child in part.children():
+            for module in child.values() if isinstance(child, nn.ModuleDict) else [child]:
+                add(module, module.parameters())
+    return units
 
 
 def unit_groups(optimizer: torch.optim.Optimizer,
@@ -94,20 +121,36 @@ class OverlappedStep:
                  after_unit: Callable[[list[nn.Parameter]], None] | None = None):
         self.optimizer = optimizer
         self.after_unit = after_unit  # e.g. the unit's FP8 scales (fp8.UnitScales)
+        self.fsdp = any(isinstance(m, FSDPModule) for part in parts for m in part.modules())
         stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        self.units = [(state, kept) for state, params in fsdp_units(parts)
+        self.units = [(key, kept) for key, params in
+                      (fsdp_units(parts) if self.fsdp else module_units(parts))
                       if (kept := [p for p in params if id(p) in stepped])]
-        if any(state is None for state, _ in self.units):
+        if any(key is None for key, _ in self.units):
             raise ValueError("OverlappedStep: some parameters are outside every FSDP unit")
         # Each unit's share of the parameter groups, narrowed once rather than every step.
         self.groups = [unit_groups(optimizer, params) for _, params in self.units]
         self.stream = torch.cuda.Stream(device, priority=0) if device.type == "cuda" else None
         self.pending: dict[int, torch.cuda.Event] = {}
-        if self.stream is not None:
+        if self.stream is not None and self.fsdp:
             for part in parts:
                 for module in part.modules():
                     if isinstance(module, FSDPModule):
                         module.register_forward_pre_hook(self._wait_for_update, prepend=True)
+        elif self.stream is not None:
+            for module, _ in self.units:
+                module.register_forward_pre_hook(self._compute_waits, prepend=True)
+
+    @property
+    def modules(self) -> list[nn.Module]:
+        """The units' modules, without FSDP (``module_units``)."""
+        return [] if self.fsdp else [module for module, _ in self.units]
+
+    def _compute_waits(self, module: nn.Module, args) -> None:
+        """Without FSDP, before the unit's forward: the compute stream waits for its update."""
+        event = self.pending.pop(id(module), None)
+        if event is not None:
+            torch.cuda.current_stream(self.stream.device).wait_event(event)
 
     def _wait_for_update(self, module: nn.Module, args) -> None:
         """Before the unit's own pre-forward (its all-gather): its streams wait for its update."""
@@ -132,14 +175,14 @@ class OverlappedStep:
             self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
             on_side = torch.cuda.stream(self.stream)
         with on_side:
-            for (state, params), groups in zip(self.units, self.groups, strict=True):
+            for (key, params), groups in zip(self.units, self.groups, strict=True):
                 with only(self.optimizer, groups):
                     self.optimizer.step()
                 if self.after_unit is not None:
                     self.after_unit(params)
                 if self.stream is not None:
-                    self.pending[id(state)] = torch.cuda.Event()
-                    self.pending[id(state)].record(self.stream)
+                    self.pending[id(key)] = torch.cuda.Event()
+                    self.pending[id(key)].record(self.stream)
         if self.stream is None:
             return
         # The compute stream frees the gradients (zero_grad) while this stream may still read
@@ -159,22 +202,64 @@ class OverlappedStep:
             self.pending.clear()
 
     def _streams_ready(self) -> bool:
-        """FSDP's all-gather streams exist (after the first forward) where this torch has them."""
+        """FSDP's all-gather streams exist (after the first forward) where this torch has them;
+        without FSDP the compute stream is the one that waits."""
+        if not self.fsdp:
+            return True
         ctx = getattr(self.units[0][0], "_comm_ctx", None)
         return all(hasattr(ctx, name) for name in ("all_gather_copy_in_stream",
                                                    "all_gather_stream"))
 
 
+class CastPerUnit:
+    """A step hook's weight casts, deferred from before the step to each unit's first forward
+    of the step (``OverlappedStep`` without FSDP: the unit's update may still be running when
+    the step starts; its forward pre-hook, which runs first, has made the compute stream wait
+    for it). ``arm()`` before the step, ``disarm()`` before the update; ``cast(members)`` is
+    called once per armed step for the ``members`` (modules) inside each unit, outside
+    autocast, as a cast before the step runs."""
+
+    def __init__(self, units: Sequence[nn.Module], members: Sequence[nn.Module],
+                 cast: Callable[[list[nn.Module]], None]):
+        self.cast = cast
+        self.due: set[int] = set()
+        wanted = {id(m) for m in members}
+        self.members: dict[int, list[nn.Module]] = {}
+        for unit in units:
+            inside = [m for m in unit.modules() if id(m) in wanted]
+            if inside:
+                self.members[id(unit)] = inside
+                unit.register_forward_pre_hook(self._before_forward)
+        if sum(len(ms) for ms in self.members.values()) != len(wanted):
+            raise ValueError("CastPerUnit: some modules are outside every unit")
+
+    def arm(self) -> None:
+        self.due = set(self.members)
+
+    def disarm(self) -> None:
+        self.due = set()
+
+    def _before_forward(self, unit: nn.Module, args) -> None:
+        if id(unit) in self.due:
+            self.due.discard(id(unit))
+            members = self.members[id(unit)]
+            device_type = next(members[0].parameters()).device.type
+            with torch.autocast(device_type, enabled=False):
+                self.cast(members)
+
+
 def build_update(optimizer: torch.optim.Optimizer, parts: Sequence[nn.Module],
                  device: torch.device, overlap: bool,
                  after_unit: Callable[[list[nn.Parameter]], None] | None = None):
-    """The run's weight update: with ``overlap`` (``optimizer.overlap_step`` where FSDP units
-    are on the GPU) an ``OverlappedStep``, whose forward and backward then run on
-    ``compute_stream`` (made the device's current stream here); else the whole
-    ``optimizer.step()`` (``dtrain.optim.WholeStep``). Both have ``step()`` and ``wait()``."""
+    """The run's weight update: with ``overlap`` (``optimizer.overlap_step`` where FSDP units,
+    or whole weights of a dense model, are on the GPU) an ``OverlappedStep``, whose forward and
+    backward then run on ``compute_stream`` (made the device's current stream here, on CUDA);
+    else the whole ``optimizer.step()`` (``dtrain.optim.WholeStep``). Both have ``step()`` and
+    ``wait()``."""
     from dtrain.optim import WholeStep
 
     if not overlap:
         return WholeStep(optimizer)
-    torch.cuda.set_stream(compute_stream(device))
+    if device.type == "cuda":
+        torch.cuda.set_stream(compute_stream(device))
     return OverlappedStep(optimizer, parts, device, after_unit=after_unit)

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dtrain.hooks import StepHook
+from dtrain.parallel.overlap import CastPerUnit
 
 
 @functools.cache
@@ -115,19 +116,31 @@ class StepWeights(StepHook):
     adds the weight gradients into ``.grad`` in place (``LinearInto``); the copies are dropped
     before the update (their values would be stale after it)."""
 
-    def __init__(self, linears: Sequence[nn.Linear], dtype: torch.dtype):
+    def __init__(self, linears: Sequence[nn.Linear], dtype: torch.dtype,
+                 units: Sequence[nn.Module] = ()):
         self.linears, self.dtype = list(linears), dtype
         for linear in self.linears:
             linear._step = None
             linear.forward = types.MethodType(_forward, linear)
+        # Under the overlapped step without FSDP: each unit's casts before its first forward.
+        self.per_unit = CastPerUnit(units, self.linears, self._cast) if units else None
+
+    def _cast(self, linears: Sequence[nn.Linear]) -> None:
+        for linear in linears:
+            linear._step = (linear.weight.detach().to(self.dtype), linear.weight.grad)
 
     def before_step(self) -> None:
         for linear in self.linears:
             weight = linear.weight
             if weight.grad is None:
                 weight.grad = torch.zeros_like(weight)
-            linear._step = (weight.detach().to(self.dtype), weight.grad)
+        if self.per_unit is not None:
+            self.per_unit.arm()
+        else:
+            self._cast(self.linears)
 
     def before_update(self) -> None:
+        if self.per_unit is not None:
+            self.per_unit.disarm()
         for linear in self.linears:
             linear._step = None
