@@ -180,10 +180,13 @@ class Run:
 
     def _whole_dense_on_gpu(self) -> bool:
         """One GPU holding a dense model's whole weights (no FSDP, TP nor pipeline): where the
-        overlapped step runs block by block, its hooks' weight casts each block's in turn."""
-        dims = self.dims
+        overlapped step runs block by block, its hooks' weight casts each block's in turn.
+        Not for MoE models (their experts' casts run before the step) nor Transformer Engine's
+        linears (not measured with it)."""
+        dims, fp8 = self.dims, self.config.fp8
         return (self.device.type == "cuda" and not dims.fsdp_enabled and dims.tp == 1
-                and dims.pp == 1 and not self.model.args.n_experts)
+                and dims.pp == 1 and not self.model.args.n_experts
+                and not (fp8.enabled and fp8.backend == "te"))
 
     def _cast_units(self) -> list[torch.nn.Module]:
         """The units whose weights the step hooks cast before each one's first forward (the
