@@ -18,14 +18,12 @@ Costs the FP8 copy of the converted weights (1 byte per parameter) for the step.
 
 from __future__ import annotations
 
-import types
 from collections.abc import Sequence
 
 import torch
 from torch import nn
 
-from dtrain.hooks import StepHook
-from dtrain.parallel.overlap import CastPerUnit
+from dtrain.parallel.overlap import StepCopies
 
 
 def _forward(self, input: torch.Tensor) -> torch.Tensor:
@@ -135,35 +133,21 @@ def step_cast_linears(model_parts: Sequence[nn.Module]) -> list[nn.Module]:
             is ScalingGranularity.TENSORWISE]
 
 
-class StepWeightCast(StepHook):
+class StepWeightCast(StepCopies):
     """Casts the FP8 weights of ``linears`` before each step; the step's forwards and backwards
     use them; they are dropped before the update (their values would be stale after it).
     ``dtype``: the compute dtype; ``into_grad``: each backward adds its weight gradient into
     ``.grad`` in place (not under a pipeline schedule, whose split backwards find the weights'
-    gradients through autograd)."""
+    gradients through autograd); ``units``: see ``StepCopies``."""
+
+    attr = "_step_fp8_weight_t"
 
     def __init__(self, linears: Sequence[nn.Module], dtype: torch.dtype, into_grad: bool,
                  units: Sequence[nn.Module] = ()):
-        self.linears, self.dtype, self.into_grad = list(linears), dtype, into_grad
-        for linear in self.linears:
-            linear._step_fp8_weight_t = None
-            linear.forward = types.MethodType(_forward, linear)
-        # Under the overlapped step without FSDP: each unit's casts before its first forward.
-        self.per_unit = CastPerUnit(units, self.linears, self._cast) if units else None
+        self.dtype, self.into_grad = dtype, into_grad
+        super().__init__(linears, _forward, units)
 
     def _cast(self, linears: Sequence[nn.Module]) -> None:
         with torch.enable_grad():
             for linear in linears:
                 linear._step_fp8_weight_t = cast_weight_t(linear, self.dtype, self.into_grad)
-
-    def before_step(self) -> None:
-        if self.per_unit is not None:
-            self.per_unit.arm()
-        else:
-            self._cast(self.linears)
-
-    def before_update(self) -> None:
-        if self.per_unit is not None:
-            self.per_unit.disarm()
-        for linear in self.linears:
-            linear._step_fp8_weight_t = None

@@ -21,13 +21,14 @@ missing (another torch version), the step runs whole on the compute stream, as w
 Without FSDP (weights whole on one GPU) the units are the model's top-level modules, each
 transformer block its own (``module_units``), and the compute stream itself waits for a unit's
 update before the unit's forward. Step hooks that cast the weights before the step (bf16 or FP8
-copies for the micro-batches) then cast each unit's weights before its first forward instead
-(``CastPerUnit``), after that wait.
+copies for the micro-batches, ``StepCopies``) then cast each unit's weights before its first
+forward instead (``CastPerUnit``), after that wait.
 """
 
 from __future__ import annotations
 
 import contextlib
+import types
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -35,6 +36,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from dtrain.dtensor import local
+from dtrain.hooks import StepHook
 
 
 def fsdp_units(parts: Sequence[nn.Module]) -> list[tuple[object, list[nn.Parameter]]]:
@@ -246,6 +248,39 @@ class CastPerUnit:
             device_type = next(members[0].parameters()).device.type
             with torch.autocast(device_type, enabled=False):
                 self.cast(members)
+
+
+class StepCopies(StepHook):
+    """Base of the step hooks that give each of ``linears`` a copy of its weight for the step
+    (in the attribute named ``attr``, which ``forward``, the layers' new forward, reads): made
+    before the step by ``_cast``, or, given ``units`` (the overlapped step without FSDP), for
+    each unit's linears before its first forward (``CastPerUnit``); dropped before the update
+    (the values would be stale after it)."""
+
+    attr: str
+
+    def __init__(self, linears: Sequence[nn.Module], forward: Callable,
+                 units: Sequence[nn.Module] = ()):
+        self.linears = list(linears)
+        for linear in self.linears:
+            setattr(linear, self.attr, None)
+            linear.forward = types.MethodType(forward, linear)
+        self.per_unit = CastPerUnit(units, self.linears, self._cast) if units else None
+
+    def _cast(self, linears: Sequence[nn.Module]) -> None:
+        raise NotImplementedError
+
+    def before_step(self) -> None:
+        if self.per_unit is not None:
+            self.per_unit.arm()
+        else:
+            self._cast(self.linears)
+
+    def before_update(self) -> None:
+        if self.per_unit is not None:
+            self.per_unit.disarm()
+        for linear in self.linears:
+            setattr(linear, self.attr, None)
 
 
 def build_update(optimizer: torch.optim.Optimizer, parts: Sequence[nn.Module],

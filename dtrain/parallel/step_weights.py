@@ -23,7 +23,6 @@ those weights (2 bytes per parameter) for the step. (FP8 linears are torchao's: 
 from __future__ import annotations
 
 import functools
-import types
 from collections import Counter
 from collections.abc import Sequence
 
@@ -31,8 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dtrain.hooks import StepHook
-from dtrain.parallel.overlap import CastPerUnit
+from dtrain.parallel.overlap import StepCopies
 
 
 @functools.cache
@@ -110,20 +108,18 @@ def step_weight_linears(model_parts: Sequence[nn.Module]) -> list[nn.Linear]:
             and not isinstance(m.weight, DTensor) and uses[id(m.weight)] == 1]
 
 
-class StepWeights(StepHook):
+class StepWeights(StepCopies):
     """Casts the weights of ``linears`` to ``dtype`` before each step and gives each a zero
     ``.grad`` (where it has none); every micro-batch's forward uses the copies, and its backward
     adds the weight gradients into ``.grad`` in place (``LinearInto``); the copies are dropped
-    before the update (their values would be stale after it)."""
+    before the update (their values would be stale after it). ``units``: see ``StepCopies``."""
+
+    attr = "_step"
 
     def __init__(self, linears: Sequence[nn.Linear], dtype: torch.dtype,
                  units: Sequence[nn.Module] = ()):
-        self.linears, self.dtype = list(linears), dtype
-        for linear in self.linears:
-            linear._step = None
-            linear.forward = types.MethodType(_forward, linear)
-        # Under the overlapped step without FSDP: each unit's casts before its first forward.
-        self.per_unit = CastPerUnit(units, self.linears, self._cast) if units else None
+        self.dtype = dtype
+        super().__init__(linears, _forward, units)
 
     def _cast(self, linears: Sequence[nn.Linear]) -> None:
         for linear in linears:
@@ -131,16 +127,6 @@ class StepWeights(StepHook):
 
     def before_step(self) -> None:
         for linear in self.linears:
-            weight = linear.weight
-            if weight.grad is None:
-                weight.grad = torch.zeros_like(weight)
-        if self.per_unit is not None:
-            self.per_unit.arm()
-        else:
-            self._cast(self.linears)
-
-    def before_update(self) -> None:
-        if self.per_unit is not None:
-            self.per_unit.disarm()
-        for linear in self.linears:
-            linear._step = None
+            if linear.weight.grad is None:
+                linear.weight.grad = torch.zeros_like(linear.weight)
+        super().before_step()
