@@ -47,7 +47,12 @@ from dtrain.parallel.fp8_step_cast import StepWeightCast, step_cast_linears
 from dtrain.parallel.fsdp import AutoReshard, fsdp_units_on_gpu
 from dtrain.parallel.overlap import OverlappedStep, build_update
 from dtrain.parallel.pipeline import Pipeline, ideal_bubble
-from dtrain.parallel.step_weights import StepWeights, step_weight_linears
+from dtrain.parallel.step_weights import (
+    StepEmbeddingGrads,
+    StepWeights,
+    step_grad_embeddings,
+    step_weight_linears,
+)
 from dtrain.preemption import Preemption
 from dtrain.step import Accumulation, DeviceBatches, cross_entropy_sum, step_context
 from dtrain.validate import validate
@@ -172,6 +177,7 @@ class Run:
             ScaleRefresh(self.model_parts) if self.fp8_all_gather and not overlap else None,
             self._step_weight_cast(),
             self._step_weights(),
+            self._step_embedding_grads(),
             self._expert_weight_casts(),
             AutoReshard(self.model, self.device, cfg.parallel.fsdp_auto_memory_fraction,
                         self.compute_dtype)
@@ -204,14 +210,21 @@ class Run:
         return StepWeightCast(linears, self.compute_dtype, into_grad=self.pipeline is None,
                               units=self._cast_units()) if linears else None
 
+    def _accumulates_in_place(self) -> bool:
+        """``model.cast_weights_once_per_step`` applies: gradient accumulation where autocast
+        computes on fp32 weights whole on the rank (no FSDP nor pipeline)."""
+        return (self.config.model.cast_weights_once_per_step and self.grad_accum > 1
+                and self.autocast and self.pipeline is None)
+
     def _step_weights(self) -> StepWeights | None:
-        """The bf16 linears' weights cast once per step, with gradient accumulation, where
-        autocast computes on fp32 weights whole on the rank (no FSDP nor pipeline)."""
-        if (not self.config.model.cast_weights_once_per_step or self.grad_accum == 1
-                or not self.autocast or self.pipeline is not None):
-            return None
-        linears = step_weight_linears(self.model_parts)
+        """The bf16 linears' weights cast once per step, their gradients added in place."""
+        linears = step_weight_linears(self.model_parts) if self._accumulates_in_place() else []
         return StepWeights(linears, self.compute_dtype, self._cast_units()) if linears else None
+
+    def _step_embedding_grads(self) -> StepEmbeddingGrads | None:
+        """The token embeddings' gradients added in place, row by row."""
+        tables = step_grad_embeddings(self.model_parts) if self._accumulates_in_place() else []
+        return StepEmbeddingGrads(tables, self._cast_units()) if tables else None
 
     def _expert_weight_casts(self) -> ExpertWeightCasts | None:
         """The experts' weights cast once per step, where their grouped GEMMs run and the

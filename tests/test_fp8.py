@@ -427,9 +427,14 @@ def test_the_step_s_fp8_weight_is_a_fresh_cast_at_every_micro_batch_bit_for_bit(
         fresh = hp_tensor_to_float8_dynamic(module.weight.t(), torch.float8_e4m3fn,
                                             module.linear_mm_config,
                                             gemm_input_role=GemmInputRole.WEIGHT)
-        reused = module._step_fp8_weight_t
-        assert torch.equal(reused._data.view(torch.uint8), fresh._data.view(torch.uint8))
-        assert torch.equal(reused._scale, fresh._scale) and reused.shape == fresh.shape
+        reused, for_grad_input = module._step_fp8_weight_t
+        for step_weight in (reused, for_grad_input):
+            assert torch.equal(step_weight._data.view(torch.uint8),
+                               fresh._data.view(torch.uint8))
+            assert torch.equal(step_weight._scale, fresh._scale)
+            assert step_weight.shape == fresh.shape
+        # the input gradient's product takes the weight column-major: no transposed copy
+        assert for_grad_input.t()._data.stride() == (1, module.weight.shape[0])
         compared.append(module)
 
     for linear in linears:

@@ -11,7 +11,14 @@ from torch import nn
 from dtrain import Trainer, load_config
 from dtrain.parallel import step_weights
 from dtrain.parallel.fp8_step_cast import add_into_grad
-from dtrain.parallel.step_weights import StepWeights, accumulate_matmul, step_weight_linears
+from dtrain.parallel.step_weights import (
+    EmbeddingInto,
+    StepEmbeddingGrads,
+    StepWeights,
+    accumulate_matmul,
+    step_grad_embeddings,
+    step_weight_linears,
+)
 
 BF16 = {"training.device": "cpu", "training.mixed_precision": "bf16", "model.n_layers": 2,
         "training.seq_len": 64, "training.global_batch_size": 4, "training.micro_batch_size": 1,
@@ -30,6 +37,9 @@ def test_casting_once_per_step_trains_exactly_as_autocast_and_autograd(tmp_path,
             "job.output_dir": str(tmp_path / str(once))}))
         hook = _hook(trainer)
         assert (hook is not None) is once
+        tables = next((h.linears for h in trainer.hooks.hooks
+                       if isinstance(h, StepEmbeddingGrads)), [])
+        assert tables == ([trainer.model.tok_embeddings] if once else [])
         grads_seen, products = {}, []
         if once:
             # 7 linears a block and the output layer; the embedding is no linear
@@ -79,6 +89,32 @@ def test_tied_and_fp8_weights_are_left_to_autograd():
     assert step_weight_linears([model]) == [model["a"]]
 
 
+def test_embedding_rows_are_added_into_grad_as_autograd_sums_them():
+    torch.manual_seed(0)
+    table = nn.Embedding(50, 16)
+    batches = [torch.randint(0, 12, (2, 40)) for _ in range(3)]  # many repeated tokens
+    grad_outs = [torch.randn(2, 40, 16) for _ in batches]
+    for tokens, grad_out in zip(batches, grad_outs, strict=True):  # autograd: dense, then added
+        table(tokens).backward(grad_out)
+    expected = table.weight.grad
+    grad = torch.zeros_like(table.weight)
+    for tokens, grad_out in zip(batches, grad_outs, strict=True):
+        out = EmbeddingInto.apply(tokens, table.weight, grad)
+        assert torch.equal(out, table(tokens))
+        out.backward(grad_out)
+    assert torch.equal(grad, expected)  # bit for bit
+    assert table.weight.grad is expected  # autograd added nothing
+
+
+def test_only_plain_untied_embeddings_add_their_rows_in_place():
+    plain, tied, padded = nn.Embedding(8, 4), nn.Embedding(8, 4), nn.Embedding(8, 4, padding_idx=0)
+    output = nn.Linear(4, 8, bias=False)
+    output.weight = tied.weight
+    model = nn.ModuleDict({"a": plain, "b": tied, "c": output, "d": padded,
+                           "e": nn.Embedding(8, 4).to(torch.bfloat16)})
+    assert step_grad_embeddings([model]) == [plain]
+
+
 def test_add_into_grad_copies_first_then_adds_in_place():
     param = nn.Parameter(torch.zeros(2, 3))
     first = torch.ones(3, 2, dtype=torch.bfloat16).t()  # not contiguous
@@ -115,7 +151,9 @@ def test_on_the_gpu_the_gemm_accumulates_into_the_fp32_gradient():
     b = torch.randn(1024, 256, device="cuda", dtype=torch.bfloat16)
     exact = total + a.double() @ b.double()
     rounded = total + (a @ b).float()  # the product rounded to bf16 first, as autograd sums it
-    accumulate_matmul(total, a, b)
+    step_weights._gemm_accumulates.cache_clear()
+    with torch.autocast("cuda", dtype=torch.bfloat16):  # as in training: backward under autocast
+        accumulate_matmul(total, a, b)
     assert step_weights._gemm_accumulates(total.device)
     error, rounded_error = ((t.double() - exact).abs().max() for t in (total, rounded))
     assert error < rounded_error / 4  # summed in fp32: well under bf16's rounding of the product

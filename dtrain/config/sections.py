@@ -70,7 +70,8 @@ class ModelConfig:
     """bf16 compute on fp32 weights whole on each rank (no FSDP nor pipeline), with gradient
     accumulation: cast the linear layers' weights to bf16 once per optimizer step, for every
     micro-batch (one copy for the step: 2 bytes a parameter), and add each micro-batch's weight
-    gradients into the fp32 gradients in place (``dtrain.parallel.step_weights``)."""
+    gradients into the fp32 gradients in place, the token embedding's only for the rows its
+    tokens read (``dtrain.parallel.step_weights``)."""
     moe_cast_weights_once_per_step: bool = True
     """MoE with the grouped GEMM (or FP8 experts), expert weights whole on each rank (no FSDP,
     TP nor EP): cast the stacked expert weights to the compute dtype (bf16 or FP8) once per

@@ -5,15 +5,19 @@ gradient in every backward: under gradient accumulation, twice per micro-batch, 
 of the fp32 weight for its absolute maximum and another for the cast. The weights do not change
 inside a step, so ``StepWeightCast`` casts each one once, before the step's first micro-batch,
 and every forward and backward of the step uses that FP8 weight (torchao's matmul takes an
-already-cast weight as it is). The cast's backward adds the weight gradient (bf16 under
-autocast) into the fp32 ``.grad`` in place (``add_into_grad``: one pass, where
-autograd would cast it to an fp32 copy and add that). The FP8 bits and scale are torchao's own
-cast's (tensorwise scaling), and the gradients sum to the same numbers.
+already-cast weight as it is), the backward's input-gradient product a column-major copy of the
+same bits, also made once (``_scaled_mm`` wants its second operand column-major; torchao's
+backward would transpose the weight into a new copy every micro-batch: ``fp8_step_matmul``).
+The cast's backward adds the weight gradient (bf16 under autocast) into the fp32 ``.grad`` in
+place (``add_into_grad``: one pass, where autograd would cast it to an fp32 copy and add that).
+The FP8 bits and scale are torchao's own cast's (tensorwise scaling), and the gradients sum to
+the same numbers.
 
 For torchao tensorwise on weights that are whole tensors on each rank (one GPU, data parallel
 without FSDP, pipeline stages, where the gradient goes through autograd); under FSDP with FP8
 all-gather the weights arrive cast already.
-Costs the FP8 copy of the converted weights (1 byte per parameter) for the step.
+Costs the two FP8 copies of the converted weights (2 bytes per parameter) for the step; the
+per-micro-batch transposes it saves were held from each forward to its backward.
 """
 
 from __future__ import annotations
@@ -29,15 +33,14 @@ from dtrain.parallel.overlap import StepCopies
 def _forward(self, input: torch.Tensor) -> torch.Tensor:
     """``Float8Linear.forward`` with the step's FP8 weight where there is one (training), else
     torchao's own (evaluation, or before the first step)."""
-    weight_t = self._step_fp8_weight_t
-    if weight_t is None or not torch.is_grad_enabled():
+    if self._step_fp8_weight_t is None or not torch.is_grad_enabled():
         return type(self).forward(self, input)
-    from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
-
     if torch.is_autocast_enabled():  # as torchao's forward: the input in the autocast dtype
         input = input.to(torch.get_autocast_dtype("cuda"))
-    output = matmul_with_hp_or_float8_args.apply(input, weight_t, self.linear_mm_config,
-                                                 self.config)
+    from dtrain.parallel.fp8_step_matmul import MatmulWithStepWeight
+
+    output = MatmulWithStepWeight.apply(input, *self._step_fp8_weight_t, self.linear_mm_config,
+                                        self.config)
     if self.bias is not None:
         output = output + self.bias.to(output.dtype)
     return output
@@ -105,18 +108,25 @@ class _Cast(torch.autograd.Function):
 
 
 def cast_weight_t(linear: nn.Module, dtype: torch.dtype | None = None,
-                  into_grad: bool = False) -> torch.Tensor:
+                  into_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The transposed FP8 weight of a torchao ``Float8Linear``, the bits and scale its forward
-    would cast (tensorwise); its gradient goes into ``linear.weight.grad`` in place with
-    ``into_grad``, else through autograd. ``dtype``: the compute dtype (default the
+    would cast (tensorwise), and the same bits column-major for the input gradient's product
+    (no gradient through that one). The first's gradient goes into ``linear.weight.grad`` in
+    place with ``into_grad``, else through autograd. ``dtype``: the compute dtype (default the
     weight's)."""
+    from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole
+
     cast = linear.config.cast_config_weight
     scale_and_cast = _compiled_scale_and_cast if linear.weight.is_cuda else _scale_and_cast
+    dtype = dtype or linear.weight.dtype
     with torch.no_grad():
         bits, scale = scale_and_cast(linear.weight, cast.target_dtype,
                                      linear.config.round_scales_to_power_of_2)
-    return _Cast.apply(linear.weight, bits, scale, linear.linear_mm_config,
-                       dtype or linear.weight.dtype, into_grad).t()
+        column_major = Float8TrainingTensor(bits.t().contiguous().t(), scale, dtype,
+                                            linear_mm_config=linear.linear_mm_config,
+                                            gemm_input_role=GemmInputRole.WEIGHT)
+    weight = _Cast.apply(linear.weight, bits, scale, linear.linear_mm_config, dtype, into_grad)
+    return weight.t(), column_major.t()
 
 
 def step_cast_linears(model_parts: Sequence[nn.Module]) -> list[nn.Module]:

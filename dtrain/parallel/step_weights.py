@@ -18,6 +18,12 @@ which gathers bf16 weights itself, nor TP), with gradient accumulation (with one
 step there is nothing to reuse, and the copy would only be held longer). Costs a bf16 copy of
 those weights (2 bytes per parameter) for the step. (FP8 linears are torchao's: there
 ``dtrain.parallel.fp8_step_cast`` adds the weight gradient into ``.grad`` after torchao's GEMM.)
+
+The token embedding's gradient has the same shape as its table, but a micro-batch reads a few
+thousand of its rows: autograd's backward writes a zeroed fp32 gradient of the whole table
+(vocabulary x dim: 2.1 GB for Llama 3 8B) every micro-batch, then adds all of it into ``.grad``.
+``StepEmbeddingGrads`` adds the rows read into ``.grad`` in place instead (``EmbeddingInto``),
+with autograd's sums: each row's gradients in the micro-batch summed in token order, then added.
 """
 
 from __future__ import annotations
@@ -30,23 +36,35 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dtrain.log import logger
 from dtrain.parallel.overlap import StepCopies
 
 
 @functools.cache
 def _gemm_accumulates(device: torch.device) -> bool:
     """Whether this GPU's ``addmm`` takes bf16 operands into an fp32 output in place (cuBLAS
-    with beta 1; ``out_dtype``, torch 2.9 and later): checked once per device on a small
-    product."""
+    with beta 1; ``out_dtype``, torch 2.9 and later): checked once per device against the exact
+    sum of a small product of small integers, with autocast off (the backward runs inside the
+    forward's autocast, which would compute the check in bf16) and no random numbers drawn (it
+    runs inside the first backward). Where it does not work, a warning says so: the gradients
+    are then added in a second pass."""
+    a = (torch.arange(64 * 48, device=device) % 7 - 3).reshape(64, 48).to(torch.bfloat16)
+    b = (torch.arange(48 * 32, device=device) % 5 - 2).reshape(48, 32).to(torch.bfloat16)
+    expected = 1 + a.double().cpu() @ b.double().cpu()  # small integers: exact in fp32
+    total = torch.ones(64, 32, device=device)
     try:
-        total = torch.ones(64, 32, device=device)
-        a = torch.randn(64, 48, device=device, dtype=torch.bfloat16)
-        b = torch.randn(48, 32, device=device, dtype=torch.bfloat16)
-        expected = total + a.float() @ b.float()
-        torch.addmm(total, a, b, out_dtype=torch.float32, out=total)
-        return bool(torch.allclose(total, expected, rtol=1e-3, atol=1e-3))
-    except (RuntimeError, TypeError):
-        return False
+        with torch.autocast(device.type, enabled=False):
+            torch.addmm(total, a, b, out_dtype=torch.float32, out=total)
+        works = torch.equal(total.double().cpu(), expected)
+    except (RuntimeError, TypeError) as error:
+        works, why = False, str(error).splitlines()[0]
+    else:
+        why = "its result differs from the exact sum"
+    if not works:
+        logger.warning("the accumulating GEMM (torch.addmm(..., out_dtype=torch.float32, "
+                       "out=grad)) does not work on %s (%s): the step weights' gradients are "
+                       "added in a second pass", device, why)
+    return works
 
 
 @torch.library.custom_op("dtrain::accumulate_matmul", mutates_args=("total",))
@@ -54,9 +72,11 @@ def accumulate_matmul(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> 
     """``total += a @ b`` in place: ``a`` and ``b`` in the compute dtype, ``total`` a weight's
     fp32 gradient. On a GPU one GEMM that accumulates into ``total`` (cuBLAS's beta = 1: the
     product is summed in fp32, never rounded to bf16, and no second pass reads it back: Megatron's
-    gradient-accumulation fusion); elsewhere the product, then an add."""
+    gradient-accumulation fusion); elsewhere the product, then an add. The dtypes are the
+    operands' own, whatever autocast is on."""
     if total.is_cuda and _gemm_accumulates(total.device):
-        torch.addmm(total, a, b, out_dtype=total.dtype, out=total)
+        with torch.autocast("cuda", enabled=False):
+            torch.addmm(total, a, b, out_dtype=total.dtype, out=total)
     else:
         total.add_(a @ b)
 
@@ -108,6 +128,12 @@ def step_weight_linears(model_parts: Sequence[nn.Module]) -> list[nn.Linear]:
             and not isinstance(m.weight, DTensor) and uses[id(m.weight)] == 1]
 
 
+def _zero_grads(modules: Sequence[nn.Module]) -> None:
+    for module in modules:
+        if module.weight.grad is None:
+            module.weight.grad = torch.zeros_like(module.weight)
+
+
 class StepWeights(StepCopies):
     """Casts the weights of ``linears`` to ``dtype`` before each step and gives each a zero
     ``.grad`` (where it has none); every micro-batch's forward uses the copies, and its backward
@@ -126,7 +152,71 @@ class StepWeights(StepCopies):
             linear._step = (linear.weight.detach().to(self.dtype), linear.weight.grad)
 
     def before_step(self) -> None:
-        for linear in self.linears:
-            if linear.weight.grad is None:
-                linear.weight.grad = torch.zeros_like(linear.weight)
+        _zero_grads(self.linears)
+        super().before_step()
+
+
+class EmbeddingInto(torch.autograd.Function):
+    """``F.embedding(tokens, weight)`` whose backward adds the gradients of the rows the tokens
+    read into ``grad`` (the table's fp32 ``.grad``) in place: each row's gradients of the
+    micro-batch are summed first, in token order, then added to its row of ``grad``, as
+    autograd sums them; the table gets no gradient from autograd."""
+
+    @staticmethod
+    def forward(ctx, tokens: torch.Tensor, weight: torch.Tensor,
+                grad: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(tokens)
+        ctx.grad = grad
+        return F.embedding(tokens, weight)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        (tokens,) = ctx.saved_tensors
+        grad = ctx.grad
+        rows, inverse = torch.unique(tokens.flatten(), return_inverse=True)
+        sums = grad.new_zeros(len(rows), grad.shape[1]).index_put_(
+            (inverse,), grad_out.reshape(-1, grad.shape[1]).to(grad.dtype), accumulate=True)
+        grad.index_put_((rows,), sums, accumulate=True)
+        return None, None, None
+
+
+def _embedding_forward(self: nn.Embedding, tokens: torch.Tensor) -> torch.Tensor:
+    """``nn.Embedding.forward`` adding into the step's ``.grad`` where there is one (training),
+    else the module's own (evaluation, or before the first step)."""
+    if self._step_grad is None or not torch.is_grad_enabled():
+        return type(self).forward(self, tokens)
+    return EmbeddingInto.apply(tokens, self.weight, self._step_grad)
+
+
+def step_grad_embeddings(model_parts: Sequence[nn.Module]) -> list[nn.Embedding]:
+    """The plain ``nn.Embedding`` tables of ``model_parts`` with fp32 weights whole on the rank
+    (not DTensors), used by that module alone (not tied to the output layer) and without the
+    options that change the gradient (padding index, max norm, frequency scaling, sparse)."""
+    from torch.distributed.tensor import DTensor
+
+    uses = Counter(id(p) for part in model_parts for m in part.modules()
+                   for p in m.parameters(recurse=False))
+    return [m for part in model_parts for m in part.modules()
+            if type(m) is nn.Embedding and m.weight.dtype == torch.float32
+            and not isinstance(m.weight, DTensor) and uses[id(m.weight)] == 1
+            and m.padding_idx is None and m.max_norm is None
+            and not m.scale_grad_by_freq and not m.sparse]
+
+
+class StepEmbeddingGrads(StepCopies):
+    """Gives each of ``embeddings`` a zero ``.grad`` before each step (where it has none), into
+    which every micro-batch's backward adds the rows its tokens read (``EmbeddingInto``).
+    ``units``: see ``StepCopies``."""
+
+    attr = "_step_grad"
+
+    def __init__(self, embeddings: Sequence[nn.Embedding], units: Sequence[nn.Module] = ()):
+        super().__init__(embeddings, _embedding_forward, units)
+
+    def _cast(self, embeddings: Sequence[nn.Embedding]) -> None:
+        for embedding in embeddings:
+            embedding._step_grad = embedding.weight.grad
+
+    def before_step(self) -> None:
+        _zero_grads(self.linears)
         super().before_step()
