@@ -89,11 +89,16 @@ def test_tied_and_fp8_weights_are_left_to_autograd():
     assert step_weight_linears([model]) == [model["a"]]
 
 
-def test_embedding_rows_are_added_into_grad_as_autograd_sums_them():
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+        not torch.cuda.is_available(),
+        reason="needs a GPU (the CUDA embedding backward); its output is in docs/benchmarks.md"))])
+def test_embedding_rows_are_added_into_grad_as_autograd_sums_them(device):
     torch.manual_seed(0)
-    table = nn.Embedding(50, 16)
-    batches = [torch.randint(0, 12, (2, 40)) for _ in range(3)]  # many repeated tokens
-    grad_outs = [torch.randn(2, 40, 16) for _ in batches]
+    table = nn.Embedding(50, 16, device=device)
+    batches = [torch.randint(0, 12, (2, 40), device=device) for _ in range(3)]  # repeated tokens
+    batches.append(torch.randint(0, 50, (1, 3000), device=device) % 7)  # long runs of a row
+    grad_outs = [torch.randn(*tokens.shape, 16, device=device) for tokens in batches]
     for tokens, grad_out in zip(batches, grad_outs, strict=True):  # autograd: dense, then added
         table(tokens).backward(grad_out)
     expected = table.weight.grad

@@ -46,18 +46,22 @@ def _forward(self, input: torch.Tensor) -> torch.Tensor:
     return output
 
 
-def _scale_and_cast(weight: torch.Tensor, dtype: torch.dtype,
-                    round_scales_to_power_of_2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _scale_and_cast(weight: torch.Tensor, dtype: torch.dtype, round_scales_to_power_of_2: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """torchao's tensorwise scale of ``weight`` and its FP8 bits (``tensor_to_scale``, then
-    ``hp_tensor_and_scale_to_float8``'s arithmetic: scale in fp32, saturate, convert)."""
+    ``hp_tensor_and_scale_to_float8``'s arithmetic: scale in fp32, saturate, convert), row-major
+    and a column-major copy."""
     from torchao.float8.float8_utils import tensor_to_scale, to_fp8_saturated
 
     scale = tensor_to_scale(weight, dtype,
                             round_scales_to_power_of_2=round_scales_to_power_of_2)
-    return to_fp8_saturated(weight.to(torch.float32) * scale, dtype), scale
+    bits = to_fp8_saturated(weight.to(torch.float32) * scale, dtype)
+    return bits, bits.t().contiguous().t(), scale
 
 
-# On the GPU one reduction and one pointwise kernel per weight; eager kernels elsewhere.
+# On the GPU a reduction and tiled pointwise kernels per weight (eager's copy of FP8 into a
+# transposed layout is its unvectorised kernel: 0.18 ms for a 4096 x 14336 weight on an H200);
+# eager kernels elsewhere.
 _compiled_scale_and_cast = torch.compile(_scale_and_cast, fullgraph=True, dynamic=False)
 
 
@@ -120,9 +124,9 @@ def cast_weight_t(linear: nn.Module, dtype: torch.dtype | None = None,
     scale_and_cast = _compiled_scale_and_cast if linear.weight.is_cuda else _scale_and_cast
     dtype = dtype or linear.weight.dtype
     with torch.no_grad():
-        bits, scale = scale_and_cast(linear.weight, cast.target_dtype,
-                                     linear.config.round_scales_to_power_of_2)
-        column_major = Float8TrainingTensor(bits.t().contiguous().t(), scale, dtype,
+        bits, column_major_bits, scale = scale_and_cast(
+            linear.weight, cast.target_dtype, linear.config.round_scales_to_power_of_2)
+        column_major = Float8TrainingTensor(column_major_bits, scale, dtype,
                                             linear_mm_config=linear.linear_mm_config,
                                             gemm_input_role=GemmInputRole.WEIGHT)
     weight = _Cast.apply(linear.weight, bits, scale, linear.linear_mm_config, dtype, into_grad)

@@ -160,7 +160,13 @@ class EmbeddingInto(torch.autograd.Function):
     """``F.embedding(tokens, weight)`` whose backward adds the gradients of the rows the tokens
     read into ``grad`` (the table's fp32 ``.grad``) in place: each row's gradients of the
     micro-batch are summed first, in token order, then added to its row of ``grad``, as
-    autograd sums them; the table gets no gradient from autograd."""
+    autograd sums them; the table gets no gradient from autograd.
+
+    The rows' sums are ``F.embedding``'s own backward into one slot per run of equal tokens
+    (the tokens renumbered by their runs once sorted, which keeps their order, so the sums are
+    autograd's), not a table's worth of rows; without a device-to-host sync (``torch.unique``
+    would wait for the GPU to say how many rows there are). The slots past the last run hold
+    zeros; each is added into a different row (the nth into row n), which it leaves as it is."""
 
     @staticmethod
     def forward(ctx, tokens: torch.Tensor, weight: torch.Tensor,
@@ -173,10 +179,17 @@ class EmbeddingInto(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         (tokens,) = ctx.saved_tensors
         grad = ctx.grad
-        rows, inverse = torch.unique(tokens.flatten(), return_inverse=True)
-        sums = grad.new_zeros(len(rows), grad.shape[1]).index_put_(
-            (inverse,), grad_out.reshape(-1, grad.shape[1]).to(grad.dtype), accumulate=True)
-        grad.index_put_((rows,), sums, accumulate=True)
+        flat = tokens.flatten()
+        rows, order = flat.sort(stable=True)
+        starts = torch.ones_like(rows, dtype=torch.bool)
+        starts[1:] = rows[1:] != rows[:-1]
+        runs = starts.cumsum(0) - 1  # the run of equal tokens each sorted token belongs to
+        run_of_token = torch.empty_like(runs).scatter_(0, order, runs)
+        sums = torch.ops.aten.embedding_dense_backward(
+            grad_out.reshape(-1, grad.shape[1]), run_of_token, len(flat), -1, False)
+        run_rows = torch.arange(len(flat), device=flat.device) % grad.shape[0]
+        run_rows.index_put_((runs,), rows)  # each run's row (all its tokens write the same)
+        grad.index_put_((run_rows,), sums.to(grad.dtype), accumulate=True)
         return None, None, None
 
 
