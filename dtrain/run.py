@@ -208,7 +208,8 @@ class Run:
             return TEFirstMicrobatch(linears) if linears and not self.dims.fsdp_enabled else None
         linears = step_cast_linears(self.model_parts)
         return StepWeightCast(linears, self.compute_dtype, into_grad=self.pipeline is None,
-                              units=self._cast_units()) if linears else None
+                              units=self._cast_units(),
+                              one_micro_batch=self.grad_accum == 1) if linears else None
 
     def _accumulates_in_place(self) -> bool:
         """``model.cast_weights_once_per_step`` applies: gradient accumulation where autocast

@@ -443,6 +443,45 @@ def test_the_step_s_fp8_weight_is_a_fresh_cast_at_every_micro_batch_bit_for_bit(
     assert len(compared) == len(linears) * 4 * 3  # every layer, micro-batch and step
 
 
+@pytest.mark.parametrize("one_micro_batch", [True, False])
+def test_one_micro_batch_s_weight_gradient_is_the_fp32_product_of_torchao_s_operands(
+        one_micro_batch):
+    """With one micro-batch a step, the step cast's weight gradient is the FP8 product torchao
+    computes, of the same operands, kept in fp32 (torchao rounds it to bf16 first; autograd
+    then casts that to fp32); the output and the input gradient are torchao's, bit for bit.
+    With several, the weight gradient is torchao's too."""
+    import copy
+
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    from dtrain.parallel.fp8_step_cast import StepWeightCast
+
+    torch.manual_seed(0)
+    model = convert_to_float8_training(nn.Sequential(nn.Linear(64, 96, bias=False)),
+                                       config=Float8LinearConfig(emulate=True))
+    reference = copy.deepcopy(model)
+    x, grad_out = torch.randn(2, 16, 64), torch.randn(2, 16, 96, dtype=torch.bfloat16)
+    hook = StepWeightCast(list(model), torch.bfloat16, into_grad=True,
+                          one_micro_batch=one_micro_batch)
+    hook.before_step()
+    results = []
+    for m in (reference, model):
+        inputs = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # as in training, backward included
+            out = m(inputs)
+            out.backward(grad_out)
+        results.append((out, inputs.grad, m[0].weight.grad))
+    (out_ref, dx_ref, dw_ref), (out, dx, dw) = results
+    assert torch.equal(out, out_ref) and torch.equal(dx, dx_ref)
+    assert dw.dtype == torch.float32 and dw.is_contiguous()
+    if one_micro_batch:
+        assert torch.equal(dw.to(torch.bfloat16).float(), dw_ref)  # torchao's, once rounded
+        assert not torch.equal(dw, dw_ref)  # this one is not
+    else:
+        assert torch.equal(dw, dw_ref)
+    hook.before_update()
+
+
 def test_casting_once_per_step_trains_exactly_as_casting_in_every_micro_batch(tmp_path,
                                                                              monkeypatch):
     from torchao.float8 import float8_linear

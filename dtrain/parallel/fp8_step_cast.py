@@ -9,9 +9,11 @@ already-cast weight as it is), the backward's input-gradient product a column-ma
 same bits, also made once (``_scaled_mm`` wants its second operand column-major; torchao's
 backward would transpose the weight into a new copy every micro-batch: ``fp8_step_matmul``).
 The cast's backward adds the weight gradient (bf16 under autocast) into the fp32 ``.grad`` in
-place (``add_into_grad``: one pass, where autograd would cast it to an fp32 copy and add that).
-The FP8 bits and scale are torchao's own cast's (tensorwise scaling), and the gradients sum to
-the same numbers.
+place (``add_into_grad``: one pass, where autograd would cast it to an fp32 copy and add that);
+with one micro-batch a step, the product writes the fp32 gradient itself, which becomes ``.grad``
+(no pass at all; the product kept in fp32, not rounded to bf16 first). The FP8 bits and scale
+are torchao's own cast's (tensorwise scaling), and the gradients sum to the same numbers (with one
+micro-batch, the same product unrounded).
 
 For torchao tensorwise on weights that are whole tensors on each rank (one GPU, data parallel
 without FSDP, pipeline stages, where the gradient goes through autograd); under FSDP with FP8
@@ -91,9 +93,10 @@ def add_into_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
 
 class _Cast(torch.autograd.Function):
     """The FP8 weight as a function of the weight whose gradient is added into ``weight.grad``
-    in place (or, without ``into_grad``, returned to autograd). Its high-precision dtype is the
-    compute dtype, that of the gradient torchao's backward gives it (the FP8 products' output
-    dtype comes from the other operand)."""
+    in place (or, without ``into_grad``, returned to autograd). Its high-precision ``dtype`` is
+    that of the gradient the backward gives it (the FP8 products' output dtype comes from the
+    other operand): the compute dtype, or fp32, whose first gradient of a step becomes
+    ``.grad`` as it is."""
 
     @staticmethod
     def forward(ctx, weight, bits, scale, linear_mm_config, dtype, into_grad):
@@ -107,17 +110,23 @@ class _Cast(torch.autograd.Function):
     def backward(ctx, grad):
         if not ctx.into_grad:
             return grad, None, None, None, None, None
-        add_into_grad(ctx.weight, grad)
+        weight = ctx.weight
+        if (weight.grad is None and grad.dtype == weight.dtype and grad.is_contiguous()
+                and grad.shape == weight.shape):
+            weight.grad = grad  # the product's own output: no copy
+        else:
+            add_into_grad(weight, grad)
         return None, None, None, None, None, None
 
 
-def cast_weight_t(linear: nn.Module, dtype: torch.dtype | None = None,
-                  into_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def cast_weight_t(linear: nn.Module, dtype: torch.dtype | None = None, into_grad: bool = False,
+                  grad_fp32: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The transposed FP8 weight of a torchao ``Float8Linear``, the bits and scale its forward
     would cast (tensorwise), and the same bits column-major for the input gradient's product
     (no gradient through that one). The first's gradient goes into ``linear.weight.grad`` in
     place with ``into_grad``, else through autograd. ``dtype``: the compute dtype (default the
-    weight's)."""
+    weight's); ``grad_fp32``: the weight gradient's product writes fp32 (``fp8_step_matmul``:
+    for a step of one micro-batch, whose gradient becomes ``.grad`` as it is)."""
     from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole
 
     cast = linear.config.cast_config_weight
@@ -129,7 +138,8 @@ def cast_weight_t(linear: nn.Module, dtype: torch.dtype | None = None,
         column_major = Float8TrainingTensor(column_major_bits, scale, dtype,
                                             linear_mm_config=linear.linear_mm_config,
                                             gemm_input_role=GemmInputRole.WEIGHT)
-    weight = _Cast.apply(linear.weight, bits, scale, linear.linear_mm_config, dtype, into_grad)
+    weight = _Cast.apply(linear.weight, bits, scale, linear.linear_mm_config,
+                         torch.float32 if grad_fp32 else dtype, into_grad)
     return weight.t(), column_major.t()
 
 
@@ -152,16 +162,22 @@ class StepWeightCast(StepCopies):
     use them; they are dropped before the update (their values would be stale after it).
     ``dtype``: the compute dtype; ``into_grad``: each backward adds its weight gradient into
     ``.grad`` in place (not under a pipeline schedule, whose split backwards find the weights'
-    gradients through autograd); ``units``: see ``StepCopies``."""
+    gradients through autograd); ``one_micro_batch``: the step has one, whose weight gradients
+    the products write in fp32 as the ``.grad`` (where ``into_grad`` and the casts allow:
+    ``fp8_step_matmul``); ``units``: see ``StepCopies``."""
 
     attr = "_step_fp8_weight_t"
 
     def __init__(self, linears: Sequence[nn.Module], dtype: torch.dtype, into_grad: bool,
-                 units: Sequence[nn.Module] = ()):
-        self.dtype, self.into_grad = dtype, into_grad
+                 units: Sequence[nn.Module] = (), one_micro_batch: bool = False):
+        self.dtype, self.into_grad, self.grad_fp32 = dtype, into_grad, into_grad and one_micro_batch
         super().__init__(linears, _forward, units)
 
     def _cast(self, linears: Sequence[nn.Module]) -> None:
+        from dtrain.parallel.fp8_step_matmul import grad_weight_in_fp32_supported
+
         with torch.enable_grad():
             for linear in linears:
-                linear._step_fp8_weight_t = cast_weight_t(linear, self.dtype, self.into_grad)
+                linear._step_fp8_weight_t = cast_weight_t(
+                    linear, self.dtype, self.into_grad,
+                    self.grad_fp32 and grad_weight_in_fp32_supported(linear.config))

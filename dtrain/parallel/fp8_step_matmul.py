@@ -6,29 +6,76 @@ the weight into a new copy every micro-batch (Inductor computes the feed-forward
 forward and keeps them for the backward: 176 MB per Llama 3 8B block and micro-batch).
 ``MatmulWithStepWeight`` is torchao's ``matmul_with_hp_or_float8_args``, its forward and backward
 unchanged (the same casts and products), given a column-major copy of the same bits, made once
-per step, for the input gradient's product. Imports torchao (the ``fp8`` extra).
+per step, for the input gradient's product.
+
+The weight gradient's product writes the dtype autograd wants for the weight (the FP8 weight's
+high-precision dtype): the compute dtype as torchao does, or fp32 where the step's only
+micro-batch's gradient becomes the fp32 ``.grad`` as it is (torchao's product writes the compute
+dtype, which autograd would then cast to an fp32 copy). The same FP8 operands, the same scales;
+the product is kept in fp32 rather than rounded to bf16. Imports torchao (the ``fp8`` extra).
 """
 
 from __future__ import annotations
 
 import torch
+from torchao.float8.config import ScalingGranularity, ScalingType
 from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
+from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
+from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole
+
+
+def _tensorwise(*casts) -> bool:
+    return all(c.scaling_type is ScalingType.DYNAMIC
+               and c.scaling_granularity is ScalingGranularity.TENSORWISE for c in casts)
+
+
+def grad_weight_in_fp32_supported(config) -> bool:
+    """The fp32 weight gradient's product serves torchao configs whose gradient and input casts
+    are dynamic tensorwise, the gradient cast the same for both products (one cast serves
+    both, as Inductor's common-subexpression pass makes of torchao's two)."""
+    return (_tensorwise(config.cast_config_grad_output, config.cast_config_input_for_grad_weight)
+            and config.cast_config_grad_output == config.cast_config_grad_output_for_grad_weight)
+
+
+def _as(tensor: Float8TrainingTensor, dtype: torch.dtype) -> Float8TrainingTensor:
+    """The same FP8 bits and scale, products with them as first operand written in ``dtype``."""
+    return Float8TrainingTensor(tensor._data, tensor._scale, dtype,
+                                linear_mm_config=tensor._linear_mm_config,
+                                gemm_input_role=tensor._gemm_input_role)
 
 
 @torch._dynamo.allow_in_graph
 class MatmulWithStepWeight(matmul_with_hp_or_float8_args):
     """``apply(input, weight_t, weight_t_for_grad_input, linear_mm_config, config)``: the two
     weights are FP8 tensors of the same bits and scale; the second is the one the backward's
-    input-gradient product reads (column-major once transposed back) and gets no gradient."""
+    input-gradient product reads (column-major once transposed back) and gets no gradient. The
+    weight gradient comes in ``weight_t``'s dtype (fp32: see the module's docstring)."""
 
     @staticmethod
     def forward(ctx, input_hp, weight_t, weight_t_for_grad_input, linear_mm_config, config):
         output = matmul_with_hp_or_float8_args.forward(ctx, input_hp, weight_t,
                                                        linear_mm_config, config)
         ctx.save_for_backward(input_hp, weight_t_for_grad_input)  # in place of weight_t
+        ctx.grad_weight_fp32 = weight_t.dtype == torch.float32
         return output
 
     @staticmethod
     def backward(ctx, grad_output):
-        grad_input, grad_weight_t, *_ = matmul_with_hp_or_float8_args.backward(ctx, grad_output)
-        return grad_input, grad_weight_t, None, None, None
+        if not ctx.grad_weight_fp32:
+            grad_input, grad_weight_t, *_ = matmul_with_hp_or_float8_args.backward(ctx,
+                                                                                   grad_output)
+            return grad_input, grad_weight_t, None, None, None
+        input_hp, weight_t = ctx.saved_tensors
+        config, mm_config = ctx.config, ctx.linear_mm_config
+        rows = grad_output.reshape(-1, grad_output.shape[-1])
+        grad_fp8, input_fp8 = (
+            hp_tensor_to_float8_dynamic(tensor, cast.target_dtype, mm_config, gemm_input_role=role,
+                                        round_scales_to_power_of_2=config.round_scales_to_power_of_2)
+            for tensor, cast, role in (
+                (rows, config.cast_config_grad_output, GemmInputRole.GRAD_OUTPUT),
+                (input_hp.reshape(-1, input_hp.shape[-1]), config.cast_config_input_for_grad_weight,
+                 GemmInputRole.INPUT)))
+        grad_input = torch.mm(grad_fp8, weight_t.t()).reshape(*grad_output.shape[:-1], -1)
+        with torch.autocast(rows.device.type, enabled=False):  # the backward may run under it
+            grad_weight = torch.mm(_as(grad_fp8, torch.float32).t(), input_fp8)
+        return grad_input, grad_weight.t(), None, None, None
