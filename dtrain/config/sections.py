@@ -314,8 +314,9 @@ class FP8Config:
     cast_weights_once_per_step: bool = True
     """Weights whole on each rank (no FSDP nor TP): cast each weight to FP8 once per optimizer
     step and use it in every micro-batch's forward and backward (torchao tensorwise: the same
-    bits as a cast in each; te: ``is_first_microbatch``; costs 1 byte per converted parameter
-    for the step)."""
+    bits as a cast in each, and a column-major copy of them for the input gradient's product:
+    2 bytes per converted parameter for the step; with one micro-batch a step the weight
+    gradient's product writes the fp32 ``.grad`` itself; te: ``is_first_microbatch``)."""
     experts: bool = True
     """torchao: the MoE experts' grouped GEMMs in FP8 too (the forward and input-gradient
     products; rowwise scales whatever the recipe; each expert's tokens padded to a multiple of
