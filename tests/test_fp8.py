@@ -482,6 +482,17 @@ def test_one_micro_batch_s_weight_gradient_is_the_fp32_product_of_torchao_s_oper
     hook.before_update()
 
 
+@pytest.mark.parametrize("batch,grad_fp32", [(1, True), (4, False)])
+def test_the_run_writes_fp32_weight_gradients_only_with_one_micro_batch(tmp_path, batch,
+                                                                        grad_fp32):
+    from dtrain.parallel.fp8_step_cast import StepWeightCast
+
+    trainer = Trainer(load_config("debug", {**STEP_CAST, "training.global_batch_size": batch,
+                                            "job.output_dir": str(tmp_path)}))
+    hook = next(h for h in trainer.hooks.hooks if isinstance(h, StepWeightCast))
+    assert hook.grad_fp32 is grad_fp32
+
+
 def test_casting_once_per_step_trains_exactly_as_casting_in_every_micro_batch(tmp_path,
                                                                              monkeypatch):
     from torchao.float8 import float8_linear

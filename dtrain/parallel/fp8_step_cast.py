@@ -163,21 +163,22 @@ class StepWeightCast(StepCopies):
     ``dtype``: the compute dtype; ``into_grad``: each backward adds its weight gradient into
     ``.grad`` in place (not under a pipeline schedule, whose split backwards find the weights'
     gradients through autograd); ``one_micro_batch``: the step has one, whose weight gradients
-    the products write in fp32 as the ``.grad`` (where ``into_grad`` and the casts allow:
-    ``fp8_step_matmul``); ``units``: see ``StepCopies``."""
+    the products write in fp32 as the ``.grad`` (where ``into_grad`` and all the layers' casts
+    allow: ``fp8_step_matmul``); ``units``: see ``StepCopies``."""
 
     attr = "_step_fp8_weight_t"
 
     def __init__(self, linears: Sequence[nn.Module], dtype: torch.dtype, into_grad: bool,
                  units: Sequence[nn.Module] = (), one_micro_batch: bool = False):
-        self.dtype, self.into_grad, self.grad_fp32 = dtype, into_grad, into_grad and one_micro_batch
+        from dtrain.parallel.fp8_step_matmul import grad_weight_in_fp32_supported
+
+        self.dtype, self.into_grad = dtype, into_grad
+        self.grad_fp32 = (into_grad and one_micro_batch
+                          and all(grad_weight_in_fp32_supported(m.config) for m in linears))
         super().__init__(linears, _forward, units)
 
     def _cast(self, linears: Sequence[nn.Module]) -> None:
-        from dtrain.parallel.fp8_step_matmul import grad_weight_in_fp32_supported
-
         with torch.enable_grad():
             for linear in linears:
-                linear._step_fp8_weight_t = cast_weight_t(
-                    linear, self.dtype, self.into_grad,
-                    self.grad_fp32 and grad_weight_in_fp32_supported(linear.config))
+                linear._step_fp8_weight_t = cast_weight_t(linear, self.dtype, self.into_grad,
+                                                          self.grad_fp32)
