@@ -120,13 +120,17 @@ class _Cast(torch.autograd.Function):
 
 
 def cast_weight_t(linear: nn.Module, dtype: torch.dtype | None = None, into_grad: bool = False,
-                  grad_fp32: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                  grad_fp32: bool = False, accumulate: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The transposed FP8 weight of a torchao ``Float8Linear``, the bits and scale its forward
-    would cast (tensorwise), and the same bits column-major for the input gradient's product
-    (no gradient through that one). The first's gradient goes into ``linear.weight.grad`` in
-    place with ``into_grad``, else through autograd. ``dtype``: the compute dtype (default the
-    weight's); ``grad_fp32``: the weight gradient's product writes fp32 (``fp8_step_matmul``:
-    for a step of one micro-batch, whose gradient becomes ``.grad`` as it is)."""
+    would cast (tensorwise), the same bits column-major for the input gradient's product (no
+    gradient through that one), and the fp32 ``.grad`` the product adds into, or None. The
+    first's gradient goes into ``linear.weight.grad`` in place with ``into_grad``, else through
+    autograd. ``dtype``: the compute dtype (default the weight's); ``grad_fp32``: the weight
+    gradient's product writes fp32 (``fp8_step_matmul``: for a step of one micro-batch, whose
+    gradient becomes ``.grad`` as it is); ``accumulate``: the product adds into
+    ``linear.weight.grad`` (which must exist) inside the GEMM, and the FP8 weight gets no
+    gradient through autograd (``fp8_step_matmul``)."""
     from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole
 
     cast = linear.config.cast_config_weight
@@ -135,12 +139,15 @@ def cast_weight_t(linear: nn.Module, dtype: torch.dtype | None = None, into_grad
     with torch.no_grad():
         bits, column_major_bits, scale = scale_and_cast(
             linear.weight, cast.target_dtype, linear.config.round_scales_to_power_of_2)
-        column_major = Float8TrainingTensor(column_major_bits, scale, dtype,
-                                            linear_mm_config=linear.linear_mm_config,
-                                            gemm_input_role=GemmInputRole.WEIGHT)
+        column_major, weight = (
+            Float8TrainingTensor(b, scale, dtype, linear_mm_config=linear.linear_mm_config,
+                                 gemm_input_role=GemmInputRole.WEIGHT)
+            for b in (column_major_bits, bits))
+    if accumulate:
+        return weight.t(), column_major.t(), linear.weight.grad
     weight = _Cast.apply(linear.weight, bits, scale, linear.linear_mm_config,
                          torch.float32 if grad_fp32 else dtype, into_grad)
-    return weight.t(), column_major.t()
+    return weight.t(), column_major.t(), None
 
 
 def step_cast_linears(model_parts: Sequence[nn.Module]) -> list[nn.Module]:
@@ -163,8 +170,9 @@ class StepWeightCast(StepCopies):
     ``dtype``: the compute dtype; ``into_grad``: each backward adds its weight gradient into
     ``.grad`` in place (not under a pipeline schedule, whose split backwards find the weights'
     gradients through autograd); ``one_micro_batch``: the step has one, whose weight gradients
-    the products write in fp32 as the ``.grad`` (where ``into_grad`` and all the layers' casts
-    allow: ``fp8_step_matmul``); ``units``: see ``StepCopies``."""
+    the products write in fp32 as the ``.grad``; with several, each product adds into a zeroed
+    fp32 ``.grad`` (``accumulate``), both where ``into_grad`` and all the layers' casts allow
+    (``fp8_step_matmul``); ``units``: see ``StepCopies``."""
 
     attr = "_step_fp8_weight_t"
 
@@ -173,12 +181,23 @@ class StepWeightCast(StepCopies):
         from dtrain.parallel.fp8_step_matmul import grad_weight_in_fp32_supported
 
         self.dtype, self.into_grad = dtype, into_grad
-        self.grad_fp32 = (into_grad and one_micro_batch
-                          and all(grad_weight_in_fp32_supported(m.config) for m in linears))
+        own_product = into_grad and all(grad_weight_in_fp32_supported(m.config) for m in linears)
+        self.grad_fp32 = own_product and one_micro_batch
+        self.accumulate = own_product and not one_micro_batch
         super().__init__(linears, _forward, units)
+
+    def _accumulates(self, linear: nn.Module) -> bool:
+        return self.accumulate and linear.weight.requires_grad
 
     def _cast(self, linears: Sequence[nn.Module]) -> None:
         with torch.enable_grad():
             for linear in linears:
                 linear._step_fp8_weight_t = cast_weight_t(linear, self.dtype, self.into_grad,
-                                                          self.grad_fp32)
+                                                          self.grad_fp32,
+                                                          self._accumulates(linear))
+
+    def before_step(self) -> None:
+        for linear in self.linears:
+            if self._accumulates(linear) and linear.weight.grad is None:
+                linear.weight.grad = torch.zeros_like(linear.weight)
+        super().before_step()

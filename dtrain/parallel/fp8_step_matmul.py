@@ -12,7 +12,13 @@ The weight gradient's product writes the dtype autograd wants for the weight (th
 high-precision dtype): the compute dtype as torchao does, or fp32 where the step's only
 micro-batch's gradient becomes the fp32 ``.grad`` as it is (torchao's product writes the compute
 dtype, which autograd would then cast to an fp32 copy). The same FP8 operands, the same scales;
-the product is kept in fp32 rather than rounded to bf16. Imports torchao (the ``fp8`` extra).
+the product is kept in fp32 rather than rounded to bf16. With several micro-batches a step, the
+product is added into the fp32 ``.grad`` inside the GEMM (``dtrain.parallel.cublaslt``: cuBLASLt
+with beta = 1, the sum in fp32 in its epilogue, as Transformer Engine's weight-gradient GEMM adds
+into Megatron's main gradients), where torchao's product would be written in bf16 and a second
+pass would add it (10 bytes per parameter a micro-batch; on the CPU, which has no FP8 GEMM,
+torchao's emulated product is added, the numbers torchao's path gives). Imports torchao (the
+``fp8`` extra).
 """
 
 from __future__ import annotations
@@ -44,28 +50,50 @@ def _as(tensor: Float8TrainingTensor, dtype: torch.dtype) -> Float8TrainingTenso
                                 gemm_input_role=tensor._gemm_input_role)
 
 
+def _accumulate_grad_weight(grad: torch.Tensor, grad_fp8: Float8TrainingTensor,
+                           input_fp8: Float8TrainingTensor, config) -> None:
+    """``grad += grad_fp8.t() @ input_fp8`` in place: the weight gradient's product of the FP8
+    gradient and input, added into the weight's fp32 ``.grad`` (on the GPU in the GEMM)."""
+    if not grad.is_cuda:  # torchao's emulated product (bf16 under autocast), then the add
+        grad.add_(torch.mm(grad_fp8.t(), input_fp8))
+        return
+    from dtrain.parallel.cublaslt import accumulate_scaled_mm
+
+    # _scaled_mm's layouts, as torchao's product makes them: the first operand row-major, the
+    # second column-major; the scales' inverses turn the FP8 values back into real ones.
+    accumulate_scaled_mm(grad, grad_fp8._data.t().contiguous(),
+                         input_fp8._data.t().contiguous().t(), grad_fp8._scale.reciprocal(),
+                         input_fp8._scale.reciprocal(),
+                         config.gemm_config_grad_weight.use_fast_accum)
+
+
 @torch._dynamo.allow_in_graph
 class MatmulWithStepWeight(matmul_with_hp_or_float8_args):
-    """``apply(input, weight_t, weight_t_for_grad_input, linear_mm_config, config)``: the two
-    weights are FP8 tensors of the same bits and scale; the second is the one the backward's
-    input-gradient product reads (column-major once transposed back) and gets no gradient. The
-    weight gradient comes in ``weight_t``'s dtype (fp32: see the module's docstring)."""
+    """``apply(input, weight_t, weight_t_for_grad_input, grad, linear_mm_config, config)``: the
+    two weights are FP8 tensors of the same bits and scale; the second is the one the
+    backward's input-gradient product reads (column-major once transposed back) and gets no
+    gradient. The weight gradient comes in ``weight_t``'s dtype (fp32: see the module's
+    docstring), or, given ``grad`` (the weight's fp32 ``.grad``), is added into it in place and
+    ``weight_t`` gets none."""
 
     @staticmethod
-    def forward(ctx, input_hp, weight_t, weight_t_for_grad_input, linear_mm_config, config):
+    def forward(ctx, input_hp, weight_t, weight_t_for_grad_input, grad, linear_mm_config,
+                config):
         output = matmul_with_hp_or_float8_args.forward(ctx, input_hp, weight_t,
                                                        linear_mm_config, config)
-        ctx.save_for_backward(input_hp, weight_t_for_grad_input)  # in place of weight_t
-        ctx.grad_weight_fp32 = weight_t.dtype == torch.float32
+        # in place of weight_t (torchao's backward reads these two)
+        ctx.save_for_backward(input_hp, weight_t_for_grad_input,
+                              *(() if grad is None else (grad,)))
+        ctx.grad_weight_fp32, ctx.accumulate = weight_t.dtype == torch.float32, grad is not None
         return output
 
     @staticmethod
     def backward(ctx, grad_output):
-        if not ctx.grad_weight_fp32:
+        if not (ctx.accumulate or ctx.grad_weight_fp32):
             grad_input, grad_weight_t, *_ = matmul_with_hp_or_float8_args.backward(ctx,
                                                                                    grad_output)
-            return grad_input, grad_weight_t, None, None, None
-        input_hp, weight_t = ctx.saved_tensors
+            return grad_input, grad_weight_t, None, None, None, None
+        input_hp, weight_t, *grad = ctx.saved_tensors
         config, mm_config = ctx.config, ctx.linear_mm_config
         rows = grad_output.reshape(-1, grad_output.shape[-1])
         grad_fp8, input_fp8 = (
@@ -76,6 +104,9 @@ class MatmulWithStepWeight(matmul_with_hp_or_float8_args):
                 (input_hp.reshape(-1, input_hp.shape[-1]), config.cast_config_input_for_grad_weight,
                  GemmInputRole.INPUT)))
         grad_input = torch.mm(grad_fp8, weight_t.t()).reshape(*grad_output.shape[:-1], -1)
+        if grad:
+            _accumulate_grad_weight(grad[0], grad_fp8, input_fp8, config)
+            return grad_input, None, None, None, None, None
         with torch.autocast(rows.device.type, enabled=False):  # the backward may run under it
             grad_weight = torch.mm(_as(grad_fp8, torch.float32).t(), input_fp8)
-        return grad_input, grad_weight.t(), None, None, None
+        return grad_input, grad_weight.t(), None, None, None, None
