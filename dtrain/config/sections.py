@@ -316,7 +316,8 @@ class FP8Config:
     step and use it in every micro-batch's forward and backward (torchao tensorwise: the same
     bits as a cast in each, and a column-major copy of them for the input gradient's product:
     2 bytes per converted parameter for the step; with one micro-batch a step the weight
-    gradient's product writes the fp32 ``.grad`` itself; te: ``is_first_microbatch``)."""
+    gradient's product writes the fp32 ``.grad`` itself, with several it adds into ``.grad``
+    inside the GEMM on the GPU, cuBLASLt with beta 1; te: ``is_first_microbatch``)."""
     experts: bool = True
     """torchao: the MoE experts' grouped GEMMs in FP8 too (the forward and input-gradient
     products; rowwise scales whatever the recipe; each expert's tokens padded to a multiple of
