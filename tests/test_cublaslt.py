@@ -88,3 +88,30 @@ def test_wrong_operands_are_named(bad, message):
         b = b[:64]
     with pytest.raises(ValueError, match=r"^accumulate_scaled_mm: .*" + re.escape(message)):
         accumulate_scaled_mm(total, a, b, *scales)
+
+
+@FP8_GPU
+def test_without_cublaslt_the_product_is_added_after_a_warning(monkeypatch):
+    """cuBLASLt that does not load (here a path that is not there): one warning names it, and
+    the sum is still right (``_scaled_mm``'s fp32 product added afterwards)."""
+    from dtrain.parallel import cublaslt
+
+    monkeypatch.setattr(cublaslt, "_library_path", lambda: "/nonexistent/libcublasLt.so.13")
+    for cached in (cublaslt._lib, cublaslt._works):
+        cached.cache_clear()
+    monkeypatch.setattr(cublaslt, "_devices", {})
+    warnings = []
+    monkeypatch.setattr(cublaslt.logger, "warning",
+                        lambda message, *args: warnings.append(message % args))
+    try:
+        total, a, b, scales = operands("cuda")
+        product = exact(torch.zeros_like(total), a, b, scales)
+        expected = total.double().cpu() + 2 * product
+        accumulate_scaled_mm(total, a, b, *scales)
+        accumulate_scaled_mm(total, a, b, *scales)  # warned once, not per call
+        assert torch.equal(total.double().cpu(), expected)
+        assert len(warnings) == 1
+        assert "does not work on cuda" in warnings[0] and "second pass" in warnings[0]
+    finally:
+        for cached in (cublaslt._lib, cublaslt._works):
+            cached.cache_clear()

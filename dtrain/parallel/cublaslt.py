@@ -23,6 +23,8 @@ import threading
 
 import torch
 
+from dtrain.log import logger
+
 # cudaDataType_t, cublasComputeType_t, cublasOperation_t (library_types.h, cublas_api.h).
 _DATA_TYPE = {torch.float32: 0, torch.bfloat16: 14, torch.float8_e4m3fn: 28,
               torch.float8_e5m2: 29}
@@ -177,13 +179,21 @@ def _check_operands(total, a, b, a_inverse_scale, b_inverse_scale) -> tuple[int,
     return m, n, k
 
 
-def _cublaslt_accumulate(total, a, b, a_inverse_scale, b_inverse_scale, fast_accum) -> None:
+def _cublaslt_accumulate(total, a, b, a_inverse_scale, b_inverse_scale, fast_accum) -> bool:
+    """The GEMM with beta 1; False where cuBLASLt has none for this problem (said once)."""
     m, n, k = _check_operands(total, a, b, a_inverse_scale, b_inverse_scale)
     state = _device(total.device)
     key = (m, n, k, a.dtype, b.dtype, fast_accum)
-    plan = state.plans.get(key)
+    if key not in state.plans:
+        try:
+            state.plans[key] = _Plan(state.handle, m, n, k, a.dtype, b.dtype, fast_accum)
+        except CublasLtError as error:
+            logger.warning("%s: this product is written by torch._scaled_mm and added in a "
+                           "second pass", error)
+            state.plans[key] = None
+    plan = state.plans[key]
     if plan is None:
-        plan = state.plans[key] = _Plan(state.handle, m, n, k, a.dtype, b.dtype, fast_accum)
+        return False
     lib = _lib()
     # The scales' addresses change from call to call: set on the cached descriptor each time
     # (read when the GEMM is enqueued).
@@ -198,6 +208,33 @@ def _cublaslt_accumulate(total, a, b, a_inverse_scale, b_inverse_scale, fast_acc
         total.data_ptr(), c_layout, total.data_ptr(), c_layout, ctypes.byref(plan.algo),
         state.workspace.data_ptr(), _WORKSPACE_BYTES,
         torch.cuda.current_stream(total.device).cuda_stream), "cublasLtMatmul")
+    return True
+
+
+@functools.cache
+def _works(device: torch.device) -> bool:
+    """Whether the cuBLASLt GEMM runs on ``device`` and gives the exact sum of a small product
+    of small integers (checked once per device, with no random numbers drawn: it runs inside
+    the first backward). Where it does not, a warning says so, and ``_scaled_mm``'s product is
+    added in a second pass."""
+    a = ((torch.arange(64 * 32, device=device) % 7 - 3).reshape(64, 32)
+         .float().to(torch.float8_e5m2))
+    b = ((torch.arange(48 * 32, device=device) % 5 - 2).reshape(48, 32)
+         .float().to(torch.float8_e4m3fn).t())
+    scale = torch.ones((), device=device)
+    total = torch.ones(64, 48, device=device)
+    expected = 1 + a.double().cpu() @ b.double().cpu()  # small integers: exact in fp32
+    try:
+        works = (_cublaslt_accumulate(total, a, b, scale, scale, False)
+                 and torch.equal(total.double().cpu(), expected))
+        why = "its result differs from the exact sum"
+    except (CublasLtError, OSError, AttributeError) as error:
+        works, why = False, str(error).splitlines()[0]
+    if not works:
+        logger.warning("the FP8 GEMM that adds into the weight gradient (cuBLASLt, beta 1) does "
+                       "not work on %s (%s): FP8 weight gradients are added in a second pass",
+                       device, why)
+    return works
 
 
 @torch.library.custom_op("dtrain::accumulate_scaled_mm", mutates_args=("total",))
@@ -209,7 +246,10 @@ def accumulate_scaled_mm(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     accumulation, ``_scaled_mm``'s ``use_fast_accum``); elsewhere the same sum computed in fp32
     (a reference: FP8 GEMMs are the GPU's)."""
     if total.is_cuda:
-        _cublaslt_accumulate(total, a, b, a_inverse_scale, b_inverse_scale, fast_accum)
+        if not (_works(total.device) and _cublaslt_accumulate(
+                total, a, b, a_inverse_scale, b_inverse_scale, fast_accum)):
+            total.add_(torch._scaled_mm(a, b, a_inverse_scale, b_inverse_scale,
+                                        out_dtype=torch.float32, use_fast_accum=fast_accum))
     else:
         _check_operands(total, a, b, a_inverse_scale, b_inverse_scale)
         total.add_((a.float() * a_inverse_scale) @ (b.float() * b_inverse_scale))
