@@ -48,7 +48,7 @@ def test_inside_a_compiled_graph_the_add_reaches_the_input(device):
 
     @torch.compile(fullgraph=True)
     def step(total, a, b, inverse_scale_a, inverse_scale_b):
-        accumulate_scaled_mm(total, a, b, inverse_scale_a * 1, inverse_scale_b)
+        accumulate_scaled_mm(total, a, b, inverse_scale_a, inverse_scale_b)
 
     step(total, a, b, *scales)
     assert torch.equal(total.double().cpu(), expected)
@@ -67,6 +67,8 @@ def test_cublaslt_s_sum_is_scaled_mm_s_fp32_product_added(fast_accum):
     product = torch._scaled_mm(a, b, *scales, out_dtype=torch.float32, use_fast_accum=fast_accum)
     expected = total + product
     accumulate_scaled_mm(total, a, b, *scales, fast_accum=fast_accum)
+    # one fp32 rounding of the same sum either way; the tolerance (about 8 ulp of fp32) leaves room
+    # for cuBLASLt's heuristic choosing another tiling or split of K for the beta-1 problem
     torch.testing.assert_close(total, expected, rtol=1e-6, atol=1e-6 * product.abs().max())
 
 

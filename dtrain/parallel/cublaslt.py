@@ -26,8 +26,7 @@ import torch
 from dtrain.log import logger
 
 # cudaDataType_t, cublasComputeType_t, cublasOperation_t (library_types.h, cublas_api.h).
-_DATA_TYPE = {torch.float32: 0, torch.bfloat16: 14, torch.float8_e4m3fn: 28,
-              torch.float8_e5m2: 29}
+_DATA_TYPE = {torch.float32: 0, torch.float8_e4m3fn: 28, torch.float8_e5m2: 29}
 _COMPUTE_32F, _OP_N, _OP_T = 68, 0, 1
 # cublasLtMatmulDescAttributes_t, cublasLtMatmulPreferenceAttributes_t (cublasLt.h, CUDA 12
 # and 13 alike).
@@ -131,7 +130,6 @@ class _Plan:
             raise CublasLtError(f"cuBLASLt has no FP8 GEMM for [{m}, {k}] @ [{k}, {n}] "
                                 f"({a_dtype} x {b_dtype}) into fp32 with beta 1")
         self.algo = result.algo
-        self.workspace_size = result.workspace_size
 
 
 class _Device:

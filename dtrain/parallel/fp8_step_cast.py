@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from dtrain.parallel.overlap import StepCopies
+from dtrain.parallel.step_weights import zero_grads
 
 
 def _forward(self, input: torch.Tensor) -> torch.Tensor:
@@ -178,10 +179,11 @@ class StepWeightCast(StepCopies):
 
     def __init__(self, linears: Sequence[nn.Module], dtype: torch.dtype, into_grad: bool,
                  units: Sequence[nn.Module] = (), one_micro_batch: bool = False):
-        from dtrain.parallel.fp8_step_matmul import grad_weight_in_fp32_supported
+        from dtrain.parallel.fp8_step_matmul import own_weight_grad_product_supported
 
         self.dtype, self.into_grad = dtype, into_grad
-        own_product = into_grad and all(grad_weight_in_fp32_supported(m.config) for m in linears)
+        own_product = into_grad and all(own_weight_grad_product_supported(m.config)
+                                        for m in linears)
         self.grad_fp32 = own_product and one_micro_batch
         self.accumulate = own_product and not one_micro_batch
         super().__init__(linears, _forward, units)
@@ -197,7 +199,5 @@ class StepWeightCast(StepCopies):
                                                           self._accumulates(linear))
 
     def before_step(self) -> None:
-        for linear in self.linears:
-            if self._accumulates(linear) and linear.weight.grad is None:
-                linear.weight.grad = torch.zeros_like(linear.weight)
+        zero_grads([linear for linear in self.linears if self._accumulates(linear)])
         super().before_step()

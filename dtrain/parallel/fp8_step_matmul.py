@@ -35,10 +35,11 @@ def _tensorwise(*casts) -> bool:
                and c.scaling_granularity is ScalingGranularity.TENSORWISE for c in casts)
 
 
-def grad_weight_in_fp32_supported(config) -> bool:
-    """The fp32 weight gradient's product serves torchao configs whose gradient and input casts
-    are dynamic tensorwise, the gradient cast the same for both products (one cast serves
-    both, as Inductor's common-subexpression pass makes of torchao's two)."""
+def own_weight_grad_product_supported(config) -> bool:
+    """This module's own weight-gradient product (in fp32, or added into ``.grad``) serves
+    torchao configs whose gradient and input casts are dynamic tensorwise, the gradient cast
+    the same for both products (one cast serves both, as Inductor's common-subexpression pass
+    makes of torchao's two)."""
     return (_tensorwise(config.cast_config_grad_output, config.cast_config_input_for_grad_weight)
             and config.cast_config_grad_output == config.cast_config_grad_output_for_grad_weight)
 
@@ -104,7 +105,7 @@ class MatmulWithStepWeight(matmul_with_hp_or_float8_args):
                 (input_hp.reshape(-1, input_hp.shape[-1]), config.cast_config_input_for_grad_weight,
                  GemmInputRole.INPUT)))
         grad_input = torch.mm(grad_fp8, weight_t.t()).reshape(*grad_output.shape[:-1], -1)
-        if grad:
+        if ctx.accumulate:
             _accumulate_grad_weight(grad[0], grad_fp8, input_fp8, config)
             return grad_input, None, None, None, None, None
         with torch.autocast(rows.device.type, enabled=False):  # the backward may run under it

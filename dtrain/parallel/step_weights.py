@@ -128,7 +128,9 @@ def step_weight_linears(model_parts: Sequence[nn.Module]) -> list[nn.Linear]:
             and not isinstance(m.weight, DTensor) and uses[id(m.weight)] == 1]
 
 
-def _zero_grads(modules: Sequence[nn.Module]) -> None:
+def zero_grads(modules: Sequence[nn.Module]) -> None:
+    """Gives each module's weight a zero ``.grad`` where it has none (the start of a step whose
+    backwards add into ``.grad`` in place)."""
     for module in modules:
         if module.weight.grad is None:
             module.weight.grad = torch.zeros_like(module.weight)
@@ -152,7 +154,7 @@ class StepWeights(StepCopies):
             linear._step = (linear.weight.detach().to(self.dtype), linear.weight.grad)
 
     def before_step(self) -> None:
-        _zero_grads(self.linears)
+        zero_grads(self.linears)
         super().before_step()
 
 
@@ -231,5 +233,5 @@ class StepEmbeddingGrads(StepCopies):
             embedding._step_grad = embedding.weight.grad
 
     def before_step(self) -> None:
-        _zero_grads(self.linears)
+        zero_grads(self.linears)
         super().before_step()
