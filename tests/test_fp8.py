@@ -499,7 +499,7 @@ def test_the_run_writes_fp32_weight_gradients_only_with_one_micro_batch(tmp_path
 
 
 class GradsBeforeUpdate(StepHook):
-    """The blocks' gradients as the update is about to read them."""
+    """The blocks' and the output layer's gradients as the update is about to read them."""
 
     def __init__(self, model):
         self.model, self.grads = model, {}
@@ -507,23 +507,31 @@ class GradsBeforeUpdate(StepHook):
     def before_update(self) -> None:
         self.grads = {name.replace("._orig_mod", ""): p.grad.clone()
                       for name, p in self.model.named_parameters()
-                      if "layers" in name and p.grad is not None}
+                      if ("layers" in name or name.startswith("output")) and p.grad is not None}
 
 
-def test_compiled_blocks_add_the_fp8_weight_gradients_into_grad(tmp_path):
+@pytest.mark.parametrize("fp8_output", [False, True])
+def test_compiled_blocks_add_the_fp8_weight_gradients_into_grad(tmp_path, fp8_output):
     """Under torch.compile the weight-gradient product's in-place add into ``.grad`` (a
     mutation of a forward input inside the backward graph) reaches the real ``.grad``: the
     compiled step's gradients are the eager step's, up to Inductor's reordering of the casts'
-    arithmetic (a gradient lost in the graph would leave the zeroed ``.grad``)."""
+    arithmetic (a gradient lost in the graph would leave the zeroed ``.grad``). An FP8 output
+    layer (``fp8.filter_fqns = []``) is compiled as the blocks are; a bf16 one is not."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
     from dtrain.parallel.fp8_step_cast import StepWeightCast
 
     grads = {}
     for compiled in (False, True):
         trainer = Trainer(load_config("debug", {
             **STEP_CAST, "compile.enabled": compiled, "training.steps": 1,
+            **({"fp8.filter_fqns": []} if fp8_output else {}),
             "job.output_dir": str(tmp_path / str(compiled))}))
+        assert isinstance(trainer.model.output, OptimizedModule) == (compiled and fp8_output)
         hook = next(h for h in trainer.hooks.hooks if isinstance(h, StepWeightCast))
         assert hook.accumulate
+        assert any(n.split(".")[0] == "output" for n, m in trainer.model.named_modules()
+                   if m in hook.linears) == fp8_output
         for linear in hook.linears:
             linear.weight.register_hook(lambda g: pytest.fail("autograd gave a weight gradient"))
         grab = GradsBeforeUpdate(trainer.model)
@@ -532,6 +540,7 @@ def test_compiled_blocks_add_the_fp8_weight_gradients_into_grad(tmp_path):
         grads[compiled] = grab.grads
     eager, compiled = grads[False], grads[True]
     assert len(eager) == len(compiled) > 14
+    assert "output.weight" in eager
     for name, grad in eager.items():
         assert grad.abs().sum() > 0, name
         # FP8 roundings that Inductor's arithmetic tips the other way: a few elements in 10^5
