@@ -57,22 +57,37 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, loss_parallel: bool,
     """Shards ``model`` in place over ``tp_mesh``. With ``loss_parallel`` the model returns
     vocabulary-sharded logits as a DTensor (compute the loss under ``loss_parallel()``);
     otherwise it returns full logits as a plain tensor. ``float8``: see ``block_plan``."""
-    top: dict[str, object] = {}
+    parallelize_module(model, tp_mesh, top_plan(model, loss_parallel, float8))
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, block_plan(block, float8))
+        if isinstance(block.feed_forward, MoE):  # routes its sequence shard: see block_plan
+            block.feed_forward.sum_over_shards = _sum_over(tp_mesh.get_group())
+
+
+def top_plan(model: Transformer, loss_parallel: bool,
+             float8: bool = False) -> dict[str, ParallelStyle]:
+    """The TP plan of the modules around the blocks: the embedding split by vocabulary rows,
+    the final norm sequence-parallel, the output layer column-parallel over the vocabulary.
+    With ``float8``, an FP8 output layer takes torchao's float8 style, as a block's linears do
+    (its input all-gathered in FP8)."""
+    top: dict[str, ParallelStyle] = {}
     if model.tok_embeddings is not None:
         top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(),
                                                 output_layouts=Shard(1))
     if model.norm is not None:
         top["norm"] = SequenceParallel()
     if model.output is not None:
-        top["output"] = ColwiseParallel(input_layouts=Shard(1),
-                                        output_layouts=Shard(-1) if loss_parallel
-                                        else Replicate(),
-                                        use_local_output=not loss_parallel)
-    parallelize_module(model, tp_mesh, top)
-    for block in model.layers.values():
-        parallelize_module(block, tp_mesh, block_plan(block, float8))
-        if isinstance(block.feed_forward, MoE):  # routes its sequence shard: see block_plan
-            block.feed_forward.sum_over_shards = _sum_over(tp_mesh.get_group())
+        colwise = ColwiseParallel
+        if float8:
+            from torchao.float8.float8_linear import Float8Linear
+            from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel
+
+            if isinstance(model.output, Float8Linear):
+                colwise = Float8ColwiseParallel
+        top["output"] = colwise(input_layouts=Shard(1),
+                                output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                use_local_output=not loss_parallel)
+    return top
 
 
 def _sum_over(group: dist.ProcessGroup):
