@@ -140,8 +140,8 @@ def _coerce(key: str, value: Any, hint: Any, from_cli: bool) -> Any:
         (item,) = typing.get_args(hint) or (str,)
         if from_cli and isinstance(value, str):
             # "a,b" or a TOML list as typed in a shell: '["a", "b"]'
-            value = [v.strip().strip("'\"") for v in value.strip().strip("[]").split(",")
-                     if v.strip().strip("'\"")]
+            items = (v.strip().strip("'\"") for v in value.strip().strip("[]").split(","))
+            value = [v for v in items if v]
         if not isinstance(value, list):
             raise ConfigError(f"{key} = {value!r} has the wrong type: expected a list of "
                               f"{item.__name__}")

@@ -29,6 +29,7 @@ from torch.distributed.tensor.parallel import (
 from dtrain.config import ConfigError
 from dtrain.models.llama import LlamaArgs, Transformer
 from dtrain.models.moe import MoE
+from dtrain.parallel.compile import fp8_output_layer
 
 
 def check_tp(args: LlamaArgs, tp: int, seq_len: int) -> None:
@@ -78,12 +79,10 @@ def top_plan(model: Transformer, loss_parallel: bool,
         top["norm"] = SequenceParallel()
     if model.output is not None:
         colwise = ColwiseParallel
-        if float8:
-            from torchao.float8.float8_linear import Float8Linear
+        if float8 and fp8_output_layer(model):
             from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel
 
-            if isinstance(model.output, Float8Linear):
-                colwise = Float8ColwiseParallel
+            colwise = Float8ColwiseParallel
         top["output"] = colwise(input_layouts=Shard(1),
                                 output_layouts=Shard(-1) if loss_parallel else Replicate(),
                                 use_local_output=not loss_parallel)
