@@ -126,7 +126,7 @@ def model_args_of(cfg: ModelConfig, microbatches: int = 1) -> LlamaArgs:
                       attention_backend=cfg.attention_backend)
     if args.n_experts:
         args = dataclasses.replace(args, **moe_overrides(cfg), moe_aux_grad_scale=1 / microbatches)
-    return args
+    return dataclasses.replace(args, rope_kernel=cfg.triton_kernels)
 
 
 @dataclasses.dataclass

@@ -54,7 +54,13 @@ from dtrain.parallel.step_weights import (
     step_weight_linears,
 )
 from dtrain.preemption import Preemption
-from dtrain.step import Accumulation, DeviceBatches, cross_entropy_sum, step_context
+from dtrain.step import (
+    Accumulation,
+    DeviceBatches,
+    cross_entropy_sum,
+    fused_cross_entropy_sum,
+    step_context,
+)
 from dtrain.validate import validate
 from dtrain.validation import Validator
 from dtrain.watchdog import HangWatchdog, nccl_debug_env
@@ -121,9 +127,13 @@ class Run:
         # With loss parallel the logits are vocabulary-sharded DTensors: the loss runs under
         # loss_parallel() and is left uncompiled.
         sharded_loss = dims.tp > 1 and cfg.parallel.loss_parallel
-        self.loss_fn = torch.compile(cross_entropy_sum, options=inductor_options(
-            False, cfg.compile.tune_kernels) or None) \
-            if cfg.compile.enabled and not sharded_loss else cross_entropy_sum
+        if cfg.model.triton_kernels and self.device.type == "cuda" and not sharded_loss:
+            self.loss_fn = fused_cross_entropy_sum
+        elif cfg.compile.enabled and not sharded_loss:
+            self.loss_fn = torch.compile(cross_entropy_sum, options=inductor_options(
+                False, cfg.compile.tune_kernels) or None)
+        else:
+            self.loss_fn = cross_entropy_sum
         self.context = step_context(self.device.type, self.compute_dtype, self.autocast,
                                     sharded_loss)
         # Each rank's gradient is averaged over dp x cp by FSDP (a cp rank's loss covers only its

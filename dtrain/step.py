@@ -20,12 +20,20 @@ from torch import nn
 from torch.distributed.tensor.parallel import loss_parallel
 
 from dtrain.dtensor import full
+from dtrain.kernels import cross_entropy as kernels
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Summed token cross-entropy in fp32 (labels of -100 are ignored)."""
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum",
                            ignore_index=-100)
+
+
+def fused_cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """``cross_entropy_sum`` through ``dtrain.kernels.cross_entropy``: on CUDA, one Triton pass
+    over the logits forward and one backward (logits whole on the rank, not vocabulary-sharded
+    DTensors)."""
+    return kernels.cross_entropy_sum(logits.flatten(0, 1), labels.flatten())[0]
 
 
 @dataclass

@@ -50,6 +50,11 @@ class ModelConfig:
     """Override the preset's vocabulary size (0 keeps the preset's)."""
     attention_backend: Literal["auto", "cudnn", "flash", "efficient", "math"] = "auto"
     """SDPA kernel; auto prefers cuDNN, then flash, then memory-efficient, then math."""
+    triton_kernels: bool = True
+    """On CUDA, RoPE and the cross-entropy loss through dtrain's Triton kernels
+    (``dtrain.kernels``: whole-row loads, one pass over the logits each way), where Inductor's
+    generated code ran them at a third of the memory's speed; false: PyTorch's ops (compiled
+    where compile is on). The CPU always runs PyTorch's."""
     moe_aux_loss_coeff: float = ranged(-1.0, lambda v: v >= 0 or v == -1, "-1 or a number >= 0")
     """MoE presets: weight of the load-balancing loss, summed over layers (-1 keeps the
     preset's; the logged loss stays the plain LM loss)."""

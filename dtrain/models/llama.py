@@ -17,6 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from dtrain.kernels.rope import kernel_applies as rope_kernel_applies
+from dtrain.kernels.rope import rope, rotate_pairs
 from dtrain.models import init
 from dtrain.models.feed_forward import FeedForward
 from dtrain.models.moe import MoE, compute_dtype
@@ -37,6 +39,7 @@ class LlamaArgs:
     max_seq_len: int = 8192
     tie_embeddings: bool = False
     attention_backend: str = "auto"
+    rope_kernel: bool = True  # RoPE through dtrain.kernels.rope (a Triton kernel on CUDA)
     ffn_hidden_size: int | None = None  # explicit FFN width (HF checkpoints); else Llama's rule
     # Mixture of experts (dtrain.models.moe): n_experts > 0 replaces every block's feed-forward.
     n_experts: int = 0
@@ -108,28 +111,24 @@ def rope_cache(seq_len: int, head_dim: int, theta: float,
     return torch.polar(torch.ones_like(angles), angles).to(torch.complex64)
 
 
-def apply_rope(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cache: torch.Tensor, kernel: bool = False) -> torch.Tensor:
     """Rotates channel pairs (2i, 2i+1) of x (batch, seq, heads, head_dim) by the cached angles
     (Meta's interleaved layout), in fp32 for 16-bit x.
 
-    Eager: one complex multiply (three kernels). Under ``torch.compile``: the same products in
-    real arithmetic, which Inductor fuses into one kernel with the casts around them; it has no
-    code generation for complex tensors and would run the complex multiply as a separate eager
-    kernel, with the casts before and after it separate passes too."""
-    cache = cache[: x.shape[1], None, :]
+    ``kernel``: the ``dtrain::rope`` custom op, a Triton kernel on CUDA (``dtrain.kernels``)
+    that reads and writes whole rows, where Inductor's code for the pairs loads every other
+    channel. Otherwise, eager: one complex multiply (three kernels); under ``torch.compile``:
+    the same products in real arithmetic, which Inductor fuses into one kernel with the casts
+    around them (it has no code generation for complex tensors)."""
+    cache = cache[: x.shape[1]]
+    if kernel and rope_kernel_applies(x):
+        return rope(x, torch.view_as_real(cache))
+    cache = cache[:, None, :]
     real = x.to(torch.promote_types(x.dtype, torch.float32))  # bf16 rotates in fp32
     if torch.compiler.is_compiling():
-        return _rotate_pairs(real, torch.view_as_real(cache)).type_as(x)
+        return rotate_pairs(real, torch.view_as_real(cache)).type_as(x)
     pairs = torch.view_as_complex(real.unflatten(-1, (-1, 2)))
     return torch.view_as_real(pairs * cache.to(pairs.dtype)).flatten(-2).type_as(x)
-
-
-def _rotate_pairs(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
-    """(a, b) -> (a cos - b sin, a sin + b cos) for each channel pair of x, with the angles'
-    cosine and sine as the last dimension of ``cos_sin`` (the complex cache viewed as real)."""
-    a, b = x.unflatten(-1, (-1, 2)).unbind(-1)
-    cos, sin = cos_sin.to(x.dtype).unbind(-1)
-    return torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2)
 
 
 def canonical_name(name: str) -> str:
@@ -212,6 +211,7 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.kv_heads, args.head_dim
         self.backends = _BACKENDS[args.attention_backend]
+        self.rope_kernel = args.rope_kernel
         self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
@@ -225,7 +225,7 @@ class Attention(nn.Module):
         q = self.wq(x).view(batch, seq, -1, self.head_dim)
         k = self.wk(x).view(batch, seq, -1, self.head_dim)
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
-        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        q, k = (apply_rope(t, rope, self.rope_kernel) for t in (q, k))
         out = self.core_attention(q, k, v)
         return self.wo(out.reshape(batch, seq, -1))
 

@@ -1,0 +1,126 @@
+"""dtrain.kernels: the RoPE and cross-entropy custom ops against PyTorch's own computation.
+
+On the CPU the ops run their PyTorch reference path, which checks the ops' own backward formulas
+(the angles negated; softmax minus one-hot) and their use inside compiled code; the Triton
+kernels themselves run only on CUDA (the tests marked so; CI has no GPU and reports them as
+skipped, their H200 output is in docs/benchmarks.md)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dtrain.kernels.cross_entropy import cross_entropy_sum
+from dtrain.kernels.rope import rope
+from dtrain.models.llama import apply_rope, rope_cache
+from dtrain.step import cross_entropy_sum as reference_cross_entropy_sum
+from dtrain.step import fused_cross_entropy_sum
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels need CUDA")
+
+
+def _rope_inputs(device, dtype, batch=2, seq=48, heads=3, head_dim=16, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, seq, heads, head_dim, generator=generator).to(device, dtype)
+    cache = rope_cache(64, head_dim, 500000.0, None).to(device)
+    return x, cache
+
+
+def test_rope_op_rotates_like_the_complex_product_and_its_backward_is_autograds():
+    # fp64 inputs: the op's backward (the rotation by the negated angles) against autograd
+    # through the complex multiply, to rounding (1e-12).
+    x, cache = _rope_inputs("cpu", torch.float64)
+    x_ref = x.clone().requires_grad_()
+    x_op = x.clone().requires_grad_()
+    expected = apply_rope(x_ref, cache)
+    got = rope(x_op, torch.view_as_real(cache[: x.shape[1]]))
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    grad = torch.randn_like(expected)
+    expected.backward(grad)
+    got.backward(grad)
+    torch.testing.assert_close(x_op.grad, x_ref.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_rope_op_runs_inside_a_compiled_function_like_eager():
+    x, cache = _rope_inputs("cpu", torch.float32)
+
+    def rotate(t):
+        return rope(t, torch.view_as_real(cache[: t.shape[1]])) * 2
+
+    torch.testing.assert_close(torch.compile(rotate, fullgraph=True)(x), rotate(x),
+                               rtol=0, atol=0)
+
+
+def _logits(device, dtype, rows=37, vocab=1000, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(rows, vocab, generator=generator) * 3).to(device, dtype)
+    labels = torch.randint(0, vocab, (rows,), generator=generator).to(device)
+    labels[::5] = -100  # ignored rows
+    return logits, labels
+
+
+def test_cross_entropy_op_sums_like_f_cross_entropy_and_its_backward_is_autograds():
+    # fp64: the op's closed-form gradient against autograd through F.cross_entropy, including
+    # the ignored rows (zero gradient), to rounding.
+    logits, labels = _logits("cpu", torch.float64)
+    ref = logits.clone().requires_grad_()
+    ours = logits.clone().requires_grad_()
+    expected = F.cross_entropy(ref, labels, reduction="sum", ignore_index=-100)
+    got, lse = cross_entropy_sum(ours, labels)
+    torch.testing.assert_close(got, expected.float(), rtol=1e-6, atol=0)
+    torch.testing.assert_close(lse, torch.logsumexp(logits, -1).float(), rtol=1e-6, atol=0)
+    (expected * 0.25).backward()
+    (got * 0.25).backward()
+    torch.testing.assert_close(ours.grad, ref.grad, rtol=1e-6, atol=1e-9)
+    assert ours.grad[::5].abs().max() == 0
+
+
+def test_fused_loss_matches_the_reference_loss_on_batched_logits():
+    logits, labels = _logits("cpu", torch.float32, rows=24)
+    logits, labels = logits.view(2, 12, -1), labels.view(2, 12)
+    torch.testing.assert_close(fused_cross_entropy_sum(logits, labels),
+                               reference_cross_entropy_sum(logits, labels), rtol=1e-6, atol=0)
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rope_kernel_on_cuda_equals_the_reference(dtype):
+    # The kernel and the reference compute the same fp32 products; only the contraction into
+    # fused multiply-adds may differ, a last-bit difference in fp32 (bf16 rounding of it:
+    # at most one bf16 ulp, 2^-7 relative).
+    x, cache = _rope_inputs("cuda", dtype, batch=2, seq=1000, heads=8, head_dim=128)
+    x_ref, x_op = x.clone().requires_grad_(), x.clone().requires_grad_()
+    expected = apply_rope(x_ref, cache)
+    got = apply_rope(x_op, cache, kernel=True)
+    tolerance = {"rtol": 2 ** -7, "atol": 1e-6} if dtype == torch.bfloat16 else \
+        {"rtol": 1e-5, "atol": 1e-6}
+    torch.testing.assert_close(got, expected, **tolerance)
+    grad = torch.randn_like(expected)
+    expected.backward(grad)
+    got.backward(grad)
+    torch.testing.assert_close(x_op.grad, x_ref.grad, **tolerance)
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cross_entropy_kernels_on_cuda_equal_the_reference(dtype):
+    # A vocabulary that is not a multiple of the kernel's 4096-wide block, ignored rows; fp32
+    # sums in another order (relative 1e-5 on the summed loss), gradients rounded to the
+    # logits' dtype (one bf16 ulp).
+    logits, labels = _logits("cuda", dtype, rows=300, vocab=10_000)
+    ref, ours = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    expected = reference_cross_entropy_sum(ref[None], labels[None])
+    got = fused_cross_entropy_sum(ours[None], labels[None])
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=0)
+    (expected / 7).backward()
+    (got / 7).backward()
+    tolerance = {"rtol": 2 ** -7, "atol": 1e-7} if dtype == torch.bfloat16 else \
+        {"rtol": 1e-5, "atol": 1e-8}
+    torch.testing.assert_close(ours.grad, ref.grad, **tolerance)
+    assert ours.grad[::5].abs().max() == 0
+
+
+@cuda
+def test_cross_entropy_kernel_turns_an_infinite_logit_into_a_non_finite_loss():
+    logits, labels = _logits("cuda", torch.bfloat16, rows=8, vocab=5000)
+    logits[3, 7] = float("inf")
+    assert not torch.isfinite(fused_cross_entropy_sum(logits[None], labels[None]))
