@@ -21,7 +21,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kern
 def _rope_inputs(device, dtype, batch=2, seq=48, heads=3, head_dim=16, seed=0):
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(batch, seq, heads, head_dim, generator=generator).to(device, dtype)
-    cache = rope_cache(64, head_dim, 500000.0, None).to(device)
+    cache = rope_cache(max(64, seq), head_dim, 500000.0, None).to(device)
     return x, cache
 
 
