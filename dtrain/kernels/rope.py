@@ -29,8 +29,9 @@ def kernel_applies(x: torch.Tensor) -> bool:
 @torch.library.custom_op("dtrain::rope", mutates_args=())
 def rope(x: torch.Tensor, cos_sin: torch.Tensor, sign: float = 1.0) -> torch.Tensor:
     """x (batch, seq, heads, head_dim) with each channel pair (2i, 2i+1) rotated by ``sign`` x
-    its angle at the token's place, in fp32 (fp64 for fp64 x), returned in x's dtype. ``cos_sin`` (seq,
-    head_dim // 2, 2) fp32: the angles' cosine and sine for each place of x's sequence."""
+    its angle at the token's place, in fp32 (fp64 for fp64 x), returned in x's dtype.
+    ``cos_sin`` (seq, head_dim // 2, 2) fp32: the angles' cosine and sine for each place of x's
+    sequence."""
     if kernel_applies(x):
         from dtrain.kernels import gpu
 
