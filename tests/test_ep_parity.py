@@ -20,13 +20,14 @@ def specs(tmp_path, layouts: list[dict]) -> list[dict]:
             for i, layout in enumerate(layouts)]
 
 
-def assert_same_moe_run(run: dict, reference: list[dict], label: str, rel: float = REL) -> None:
+def assert_same_moe_run(run: dict, reference: list[dict], label: str, rel: float = REL,
+                        loss_rel: float = REL) -> None:
     if rel == REL:
         assert_same_run(run, reference, label)
     else:
         assert run["init_ok"] is not False, label
         for ref, got in zip(reference, run["history"], strict=True):
-            assert got["loss"] == pytest.approx(ref["loss"], rel=REL), (label, ref["step"])
+            assert got["loss"] == pytest.approx(ref["loss"], rel=loss_rel), (label, ref["step"])
             assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=rel), label
     for ref, got in zip(reference, run["history"], strict=True):
         if "aux_loss" not in got:  # a pipeline's first step (see Trainer.train)
@@ -57,12 +58,14 @@ def test_expert_parallel_over_two_ranks(tmp_path, moe_reference):
     assert_same_moe_run(plain, moe_reference, "ep2")
     assert_same_moe_run(dropping, single, "ep2 sigmoid capacity 1.0")
     assert_same_moe_run(grouped, moe_reference, "ep2 grouped")
-    # FP8: losses at 1e-5, gradient norms and the router's figures at 1e-3. The expert-parallel
+    # FP8: losses at 1e-4, gradient norms and the router's figures at 1e-3. The expert-parallel
     # weight gradients sum their rows in another order, and a last-bit difference moves a
     # value across an FP8 rounding boundary now and then, a drift that grows over the steps
-    # (measured: gradient norm 7e-5 off at step 4, 5.6e-4 at step 5, where FP8's own distance
-    # from fp32 is 4.4e-3 and 1.1e-2).
-    assert_same_moe_run(experts_fp8, single_fp8, "ep2 fp8", rel=1e-3)
+    # and depends on the CPU's kernels (measured: gradient norm 7e-5 off at step 4, 5.6e-4 at
+    # step 5, where FP8's own distance from fp32 is 4.4e-3 and 1.1e-2; on another machine the
+    # loss 5.5e-5 off at step 4 and 4.0e-5 at step 5, where FP8's own distance from fp32 is
+    # 7.2e-4 and 4.1e-4).
+    assert_same_moe_run(experts_fp8, single_fp8, "ep2 fp8", rel=1e-3, loss_rel=1e-4)
     assert single_fp8[-1]["loss"] != pytest.approx(moe_reference[-1]["loss"], rel=10 * REL)
 
 
