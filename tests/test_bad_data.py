@@ -1,6 +1,12 @@
 """Bad data files and tokenizers end the CLI with one ``error:`` line that names the problem."""
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
+from conftest import ROOT, cli_args, wait_for_step
 
 
 @pytest.fixture
@@ -68,3 +74,35 @@ def test_tokenizer_that_is_not_a_tokenizer_json_names_the_path(train, tmp_path):
     line = error_line(train(data, "--data.tokenizer", str(notes)))
     assert f"data.tokenizer = '{notes}' is not a HF tokenizer.json" in line
     assert "a folder holding one" in line
+
+
+def start_cli(args: list[str]) -> subprocess.Popen:
+    """``python -m dtrain.train ARGS`` in the background, its output piped."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([sys.executable, "-m", "dtrain.train", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+
+
+def test_hf_data_file_deleted_mid_run_names_the_file_and_the_fix(tmp_path):
+    # datasets reads a small file whole at the start of each epoch and reopens it for the next:
+    # 8 documents of ~50 tokens are an epoch of under two steps, so the deletion is met soon.
+    path = tmp_path / "corpus.jsonl"
+    path.write_text("".join(json.dumps({"text": f"document {d}: " + "some words " * 20}) + "\n"
+                            for d in range(8)))
+    process = start_cli(cli_args({
+        "model.n_layers": 1, "training.seq_len": 64, "training.global_batch_size": 4,
+        "training.micro_batch_size": 1, "training.steps": 100_000, "metrics.log_every": 1,
+        "metrics.tensorboard": False, "data.source": "hf", "data.path": path,
+        "job.output_dir": tmp_path / "out"}))
+    try:
+        wait_for_step(process, 2, [])
+        path.unlink()
+        _, stderr = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    assert process.returncode == 2, stderr[-2000:]
+    assert "Traceback" not in stderr
+    assert stderr.strip().splitlines() == [
+        f"error: data file {path} could not be read during the run (No such file or "
+        "directory): it was moved or deleted; restore it and run the same command again (it "
+        "resumes from the latest checkpoint when checkpointing is on)"]

@@ -132,6 +132,110 @@ def test_damaged_dataset_names_the_file_and_the_fix(tmp_path, damage, message):
     assert "preprocess_data.py" in str(error.value)
 
 
+# The index of write(tmp_path / "d", [[1, 2, 3], [4, 5, 6]]): S = 2 sequences of uint16 tokens
+# (d.bin is 12 bytes), D = 3 document indices; where each array starts in d.idx.
+LENGTHS_AT = indexed.HEADER_BYTES  # int32 lengths 3, 3
+POINTERS_AT = LENGTHS_AT + 2 * 4  # int64 byte offsets 0, 6
+DOCUMENTS_AT = POINTERS_AT + 2 * 8  # int64 document indices 0, 1, 2
+INDEX_BYTES = DOCUMENTS_AT + 3 * 8
+
+
+def damage_entry(path: Path, fmt: str, offset: int, value: int) -> None:
+    """Overwrites one little-endian field of the file on disk."""
+    raw = bytearray(path.read_bytes())
+    struct.pack_into(fmt, raw, offset, value)
+    path.write_bytes(bytes(raw))
+
+
+def append(path: Path, data: bytes) -> None:
+    path.write_bytes(path.read_bytes() + data)
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda p: damage_entry(p / "d.idx", "<i", LENGTHS_AT + 4, -3),
+     "d.idx, sequence 1: length -3 (a length must be >= 0)"),
+    (lambda p: damage_entry(p / "d.idx", "<q", POINTERS_AT + 8, 4096),
+     "d.idx, sequence 1: pointer 4096 (expected 6, where sequence 0 ends: sequences lie back to "
+     "back); 4096 lies outside d.bin, which holds 12 bytes"),
+    (lambda p: damage_entry(p / "d.idx", "<q", POINTERS_AT + 8, 4),
+     "d.idx, sequence 1: pointer 4 (expected 6, where sequence 0 ends: sequences lie back to "
+     "back)"),
+    (lambda p: damage_entry(p / "d.idx", "<q", POINTERS_AT, 2),
+     "d.idx, sequence 0: pointer 2 (expected 0, the start of d.bin)"),
+    (lambda p: damage_entry(p / "d.idx", "<i", LENGTHS_AT + 4, 50),
+     "d.bin is truncated: it holds 12 bytes, its index d.idx describes 106"),
+    (lambda p: append(p / "d.bin", b"\0\0"),
+     "d.bin holds 14 bytes, more than the 12 its index d.idx describes: the two files do not "
+     "belong together"),
+    (lambda p: damage_entry(p / "d.idx", "<q", DOCUMENTS_AT, 1),
+     "d.idx, document index 0: 1 (expected 0)"),
+    (lambda p: damage_entry(p / "d.idx", "<q", DOCUMENTS_AT + 8, 5),
+     "d.idx, document index 1: 5 (expected at most 2, the sequence count)"),
+    (lambda p: damage_entry(p / "d.idx", "<q", DOCUMENTS_AT + 16, 0),
+     "d.idx, document index 2: 0 (expected at least 1, the index before it: document indices "
+     "never decrease)"),
+    (lambda p: damage_entry(p / "d.idx", "<q", DOCUMENTS_AT + 16, 1),
+     "d.idx, document index 2: 1 (expected 2, the sequence count, as the last index)"),
+    (lambda p: (p / "d.idx").write_bytes((p / "d.idx").read_bytes()[:-8]),
+     f"d.idx is truncated: 2 sequences and 3 document indices take {INDEX_BYTES} bytes, the "
+     f"file has {INDEX_BYTES - 8}"),
+    (lambda p: append(p / "d.idx", b"\0\0\0"),
+     f"d.idx holds more than its header describes: 2 sequences and 3 document indices take "
+     f"{INDEX_BYTES} bytes, the file has {INDEX_BYTES + 3}"),
+    (lambda p: append(p / "d.idx", b"\0\0"),  # Megatron's sequence modes, one byte each
+     "one byte per sequence more: a multimodal index, which dtrain does not read"),
+    (lambda p: (damage_entry(p / "d.idx", "<Q", 26, 0),
+                (p / "d.idx").write_bytes((p / "d.idx").read_bytes()[:DOCUMENTS_AT])),
+     "d.idx has no document indices (Megatron writes at least the leading 0)"),
+], ids=["negative-length", "pointer-past-bin", "overlapping-pointer", "first-pointer",
+        "length-past-bin", "long-bin", "first-document", "document-past-count",
+        "decreasing-document", "last-document", "cut-idx", "long-idx", "multimodal-idx",
+        "no-documents"])
+def test_damaged_index_entry_is_named_with_its_value_and_the_fix(tmp_path, damage, message):
+    write(tmp_path / "d", [[1, 2, 3], [4, 5, 6]])
+    damage(tmp_path)
+    with pytest.raises(ConfigError) as error:
+        IndexedDataset(tmp_path / "d")
+    assert message in str(error.value) and "\n" not in str(error.value)
+    assert str(error.value).endswith(f"; {indexed._REWRITE}")
+
+
+@pytest.mark.parametrize("block", [1, 2, 3, 1 << 20])
+def test_index_is_checked_block_by_block_with_the_same_result(tmp_path, monkeypatch, block):
+    # Blocks of 1 to 3 entries put a block boundary between every pair the checks compare.
+    monkeypatch.setattr(indexed, "_CHECK_BLOCK", block)
+    prefix = tmp_path / "d"
+    write(prefix, numbered_documents([4, 1, 6, 2, 5, 3, 7]))
+    assert IndexedDataset(prefix).sequence_lengths.tolist() == [4, 1, 6, 2, 5, 3, 7]
+    damage_entry(Path(f"{prefix}.idx"), "<i", LENGTHS_AT + 4 * 6, -1)
+    damage_entry(Path(f"{prefix}.idx"), "<q", LENGTHS_AT + 7 * 4 + 8 * 4, 99)
+    with pytest.raises(ConfigError, match="sequence 4: pointer 99 "):  # the first of the two
+        IndexedDataset(prefix)
+
+
+def test_cli_refuses_a_damaged_index_in_one_error_line(tmp_path, capsys):
+    from dtrain.train import main
+
+    write(tmp_path / "d", numbered_documents([40] * 20))
+    damage_entry(tmp_path / "d.idx", "<i", LENGTHS_AT + 4 * 17, -3)
+    code = main(["--recipe", "debug", "--data.source", "indexed", "--data.path",
+                 str(tmp_path / "d"), "--model.n_layers", "1", "--training.seq_len", "64",
+                 "--training.steps", "1", "--metrics.tensorboard", "false",
+                 "--job.output_dir", str(tmp_path / "out")])
+    assert code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: index {tmp_path / 'd.idx'}, sequence 17: length -3 (a length must be >= 0); "
+        f"{indexed._REWRITE}"]
+
+
+def test_an_open_dataset_reads_on_after_its_files_are_deleted(tmp_path):
+    # The memory maps hold the files' data, so deleting the pair mid-run costs the run nothing.
+    ds = write(tmp_path / "d", [[1, 2, 3], [4, 5, 6]])
+    for name in ("d.idx", "d.bin"):
+        (tmp_path / name).unlink()
+    assert [ds[i].tolist() for i in range(len(ds))] == [[1, 2, 3], [4, 5, 6]]
+
+
 # GPT samples -------------------------------------------------------------------------------------
 
 LENGTHS = [5, 1, 17, 3, 9, 2, 30, 4, 6, 11, 7, 8]

@@ -123,6 +123,7 @@ class HFWindowStream:
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.dataset = split_dataset_by_node(load_documents(cfg), rank=dp_rank,
                                              world_size=dp_size)
+        self.files = _local_files(resolve(cfg.path))  # what the stream reads; none from the hub
         self.epoch, self.documents = 0, 0  # documents consumed in this epoch
         self.documents_read = 0  # over all epochs since construction (for inspection)
         self.buffer: list[int] = []
@@ -155,10 +156,17 @@ class HFWindowStream:
             yield text
 
     def _unreadable(self, error: Exception) -> ConfigError | None:
-        """The ConfigError for a local file datasets failed on with ``error``, naming the bad
-        line when the file is JSON lines or text; None when ``error`` is no data error."""
+        """The ConfigError for a local file datasets failed on with ``error``: one of the files
+        the run started with that is gone (datasets reopens every file each epoch, raising a
+        FileNotFoundError whose text is the path alone), else the bad line when the file is JSON
+        lines or text; None when ``error`` is no data error."""
         import pyarrow as pa
 
+        if isinstance(error, OSError) and (gone := [f for f in self.files if not f.exists()]):
+            return ConfigError(f"data file {gone[0]} could not be read during the run (No such "
+                               "file or directory): it was moved or deleted; restore it and run "
+                               "the same command again (it resumes from the latest checkpoint "
+                               "when checkpointing is on)")
         files = _local_files(resolve(self.cfg.path))
         if not files:
             return None

@@ -37,7 +37,7 @@ import socket
 import struct
 import warnings
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 
@@ -144,6 +144,116 @@ class IndexedDatasetWriter:
             self.abort()
 
 
+_CHECK_BLOCK = 1 << 20
+"""Index entries checked at a time: temporaries of a few MiB whatever the index's size."""
+
+
+def open_index(idx_path: Path, bin_path: Path
+               ) -> tuple[np.dtype, np.ndarray, np.ndarray, np.ndarray]:
+    """Reads the index ``idx_path`` of the data file ``bin_path`` and checks everything Megatron's
+    writers guarantee, so a damaged or mismatched pair is refused when opened instead of training
+    on wrong tokens or failing mid-run. Returns the token dtype and the sequence lengths (int32),
+    sequence pointers (int64) and document indices (int64) as read-only views of the
+    memory-mapped index.
+
+    Checked: the header (magic, version, dtype code); the file size, exactly
+    ``HEADER_BYTES + 12 * S + 8 * D``; every length >= 0; the pointers back to back from 0, each
+    the previous pointer plus the previous length times the token size (every Megatron writer,
+    and ``IndexedDatasetWriter``, computes them so); ``bin_path`` exactly as long as the
+    sequences; the document indices starting at 0, never decreasing and ending at S. The arrays
+    are scanned ``_CHECK_BLOCK`` entries at a time with numpy, so an index of billions of
+    entries costs one read of the file and temporaries of one block. A failure is a ConfigError
+    naming the file, the first bad entry, its value, the value expected and the fix."""
+    idx_size, bin_size = idx_path.stat().st_size, bin_path.stat().st_size
+    with open(idx_path, "rb") as f:
+        header = f.read(HEADER_BYTES)
+    if not INDEX_MAGIC.startswith(header[:len(INDEX_MAGIC)]):
+        raise ConfigError(f"{idx_path} is not a Megatron MMIDIDX index (it starts with "
+                          f"{header[:9]!r}); {_REWRITE}")
+    if len(header) < HEADER_BYTES:
+        raise ConfigError(f"{idx_path} is truncated ({idx_size} bytes, the header alone is "
+                          f"{HEADER_BYTES}); {_REWRITE}")
+    version, code, count, doc_count = struct.unpack("<QBQQ", header[9:])
+    if version != INDEX_VERSION:
+        raise ConfigError(f"{idx_path} has index version {version} (only version "
+                          f"{INDEX_VERSION} exists); {_REWRITE}")
+    if code not in DTYPE_CODES:
+        raise ConfigError(f"{idx_path} has unknown dtype code {code} (known: "
+                          f"{', '.join(map(str, DTYPE_CODES))}); {_REWRITE}")
+    needed = HEADER_BYTES + 12 * count + 8 * doc_count
+    if idx_size != needed:
+        state = "is truncated" if idx_size < needed else "holds more than its header describes"
+        # Megatron's multimodal indices append one mode byte per sequence.
+        modes = (", one byte per sequence more: a multimodal index, which dtrain does not read"
+                 if count and idx_size == needed + count else "")
+        raise ConfigError(f"{idx_path} {state}: {count} sequences and {doc_count} document "
+                          f"indices take {needed} bytes, the file has {idx_size}{modes}; "
+                          f"{_REWRITE}")
+    if doc_count == 0:
+        raise ConfigError(f"{idx_path} has no document indices (Megatron writes at least the "
+                          f"leading 0); {_REWRITE}")
+    dtype = DTYPE_CODES[code]
+    raw = np.memmap(idx_path, dtype=np.uint8, mode="r")
+    lengths = np.frombuffer(raw, "<i4", count, HEADER_BYTES)
+    pointers = np.frombuffer(raw, "<i8", count, HEADER_BYTES + 4 * count)
+    documents = np.frombuffer(raw, "<i8", doc_count, HEADER_BYTES + 12 * count)
+
+    def ends(start: int, stop: int) -> np.ndarray:  # where sequences [start, stop) end in .bin
+        return pointers[start:stop] + lengths[start:stop].astype(np.int64) * dtype.itemsize
+
+    def bad_sequences(start: int, stop: int) -> np.ndarray:
+        ends_before = ends(max(start - 1, 0), stop - 1)
+        expected = ends_before if start else np.concatenate(([0], ends_before))
+        return (lengths[start:stop] < 0) | (pointers[start:stop] != expected)
+
+    if (i := _first_flagged(bad_sequences, 0, count)) is not None:
+        length, pointer = int(lengths[i]), int(pointers[i])
+        if length < 0:
+            problem = f"length {length} (a length must be >= 0)"
+        else:
+            expected = (f"{int(ends(i - 1, i)[0])}, where sequence {i - 1} ends: sequences "
+                        "lie back to back" if i else f"0, the start of {bin_path.name}")
+            past = (f"; {pointer} lies outside {bin_path.name}, which holds {bin_size} bytes"
+                    if not 0 <= pointer <= bin_size else "")
+            problem = f"pointer {pointer} (expected {expected}){past}"
+        raise ConfigError(f"index {idx_path}, sequence {i}: {problem}; {_REWRITE}")
+    end = int(ends(count - 1, count)[0]) if count else 0
+    if bin_size < end:
+        raise ConfigError(f"{bin_path} is truncated: it holds {bin_size} bytes, its index "
+                          f"{idx_path.name} describes {end}; {_REWRITE}")
+    if bin_size > end:
+        raise ConfigError(f"{bin_path} holds {bin_size} bytes, more than the {end} its index "
+                          f"{idx_path.name} describes: the two files do not belong together; "
+                          f"{_REWRITE}")
+
+    def bad_documents(start: int, stop: int) -> np.ndarray:
+        values = documents[start:stop]
+        return (values < documents[start - 1:stop - 1]) | (values > count)
+
+    if documents[0] != 0:
+        i, problem = 0, "expected 0"
+    elif (i := _first_flagged(bad_documents, 1, doc_count)) is not None:
+        problem = (f"expected at most {count}, the sequence count" if documents[i] > count
+                   else f"expected at least {documents[i - 1]}, the index before it: document "
+                        "indices never decrease")
+    elif documents[-1] != count:
+        i, problem = doc_count - 1, f"expected {count}, the sequence count, as the last index"
+    else:
+        return dtype, lengths, pointers, documents
+    raise ConfigError(f"index {idx_path}, document index {i}: {documents[i]} ({problem}); "
+                      f"{_REWRITE}")
+
+
+def _first_flagged(flags: Callable[[int, int], np.ndarray], start: int, stop: int) -> int | None:
+    """The first ``i`` in ``[start, stop)`` that ``flags(begin, end)`` (a bool array over
+    ``[begin, end)``) marks, scanning ``_CHECK_BLOCK`` entries at a time; None if none is."""
+    for begin in range(start, stop, _CHECK_BLOCK):
+        marked = flags(begin, min(begin + _CHECK_BLOCK, stop))
+        if marked.any():
+            return begin + int(np.argmax(marked))
+    return None
+
+
 class IndexedDataset:
     """Memory-mapped reader of ``{prefix}.bin``/``{prefix}.idx``. ``ds[i]`` is sequence ``i`` as
     a read-only numpy array in the file's token dtype. A missing, corrupt or truncated file raises
@@ -157,44 +267,9 @@ class IndexedDataset:
                 raise ConfigError(f"indexed dataset file {path} not found: give the prefix "
                                   "without .bin/.idx, or create the dataset with "
                                   "tools/preprocess_data.py")
-        idx_size = idx_path.stat().st_size
-        with open(idx_path, "rb") as f:
-            header = f.read(HEADER_BYTES)
-        if not INDEX_MAGIC.startswith(header[:len(INDEX_MAGIC)]):
-            raise ConfigError(f"{idx_path} is not a Megatron MMIDIDX index (it starts with "
-                              f"{header[:9]!r}): {_REWRITE}")
-        if len(header) < HEADER_BYTES:
-            raise ConfigError(f"{idx_path} is truncated ({idx_size} bytes, the header alone is "
-                              f"{HEADER_BYTES}): {_REWRITE}")
-        version, code, count, doc_count = struct.unpack("<QBQQ", header[9:])
-        if version != INDEX_VERSION:
-            raise ConfigError(f"{idx_path} has index version {version}; only version "
-                              f"{INDEX_VERSION} exists: {_REWRITE}")
-        if code not in DTYPE_CODES:
-            raise ConfigError(f"{idx_path} has unknown dtype code {code} (known: "
-                              f"{', '.join(map(str, DTYPE_CODES))}): {_REWRITE}")
-        needed = HEADER_BYTES + 12 * count + 8 * doc_count
-        if idx_size < needed or doc_count < 1:
-            raise ConfigError(f"{idx_path} is truncated or corrupt: {count} sequences and "
-                              f"{doc_count} document indices need {needed} bytes, the file has "
-                              f"{idx_size}: {_REWRITE}")
-        self.dtype = DTYPE_CODES[code]
-        self._idx = np.memmap(idx_path, dtype=np.uint8, mode="r")
-        self.sequence_lengths = np.frombuffer(self._idx, "<i4", count, HEADER_BYTES)
-        self.sequence_pointers = np.frombuffer(self._idx, "<i8", count, HEADER_BYTES + 4 * count)
-        self.document_indices = np.frombuffer(self._idx, "<i8", doc_count,
-                                              HEADER_BYTES + 12 * count)
-        if self.document_indices[-1] != count:
-            raise ConfigError(f"{idx_path} is corrupt: its last document index is "
-                              f"{self.document_indices[-1]}, not the sequence count {count}: "
-                              f"{_REWRITE}")
-        bin_size = bin_path.stat().st_size
-        end = (int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1])
-               * self.dtype.itemsize) if count else 0
-        if bin_size < end:
-            raise ConfigError(f"{bin_path} is truncated: it holds {bin_size} bytes, its index "
-                              f"{idx_path.name} points to {end}: {_REWRITE}")
-        self._bin = (np.memmap(bin_path, dtype=np.uint8, mode="r") if bin_size
+        (self.dtype, self.sequence_lengths, self.sequence_pointers,
+         self.document_indices) = open_index(idx_path, bin_path)
+        self._bin = (np.memmap(bin_path, dtype=np.uint8, mode="r") if bin_path.stat().st_size
                      else np.zeros(0, dtype=np.uint8))
 
     def __len__(self) -> int:
