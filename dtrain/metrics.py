@@ -11,9 +11,12 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import resource
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -93,68 +96,98 @@ def format_eta(seconds: float) -> str:
 class MetricsLogger:
     """Writes one record per logged step to the console, TensorBoard (``<run>/tb``) and
     ``<run>/metrics.jsonl``. Only the rank given ``enabled=True`` writes. The files open at the
-    first record and again after ``close`` (a notebook's second ``train()``). A run resumed at
-    ``resume_step`` first drops the records after that step, which it trains again, from
-    metrics.jsonl and TensorBoard (``purge_step``), so each step is there once. The JSON lines
-    are strict JSON: a non-finite number is written as null."""
+    first record and again after ``close`` (a notebook's second ``train()``). Opening
+    metrics.jsonl drops its lines that do not parse (a torn last line: the process was stopped
+    while writing it); a run resumed at ``resume_step`` also drops the records after that step,
+    which it trains again, from metrics.jsonl and TensorBoard (``purge_step``), so each step is
+    there once. The JSON lines are strict JSON: a non-finite number is written as null. A write
+    to either file that fails (a full or read-only disk) is reported once; the records then go
+    to the console only and training goes on."""
 
     def __init__(self, cfg: MetricsConfig, run_dir: Path, enabled: bool, resume_step: int = 0):
         self.cfg, self.run_dir, self.enabled = cfg, run_dir, enabled
+        self.jsonl_path, self.tensorboard_dir = run_dir / "metrics.jsonl", run_dir / "tb"
         self._purge = resume_step
         self._writer = None
         self._jsonl = None
+        self._last_step = resume_step
+        self._files_failed = False
 
     def _open(self) -> None:
-        if self._jsonl is not None:
+        if self._jsonl is not None or self._files_failed:
             return
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        path = self.run_dir / "metrics.jsonl"
         purge, self._purge = self._purge, 0
-        if purge and path.is_file():
-            kept = [line for line in path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= purge]
-            path.write_text("".join(line + "\n" for line in kept))
-        self._jsonl = open(path, "a")
+        self._to_file(self.jsonl_path, self._open_jsonl, purge)
         if self.cfg.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
+            self._to_file(self.tensorboard_dir, self._open_tensorboard, purge)
 
-            self._writer = SummaryWriter(log_dir=str(self.run_dir / "tb"),
-                                         purge_step=purge + 1 if purge else None)
+    def _open_jsonl(self, purge: int) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        _drop_unparsed_and_later_records(self.jsonl_path, after_step=purge)
+        self._jsonl = open(self.jsonl_path, "a")
 
-    def _write(self, record: dict) -> None:
+    def _open_tensorboard(self, purge: int) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        _hide_tensorboard_thread_errors()
+        self._writer = SummaryWriter(log_dir=str(self.tensorboard_dir),
+                                     purge_step=purge + 1 if purge else None)
+
+    def _to_file(self, path: Path, write: Callable[..., object], *args) -> None:
+        """``write(*args)``, a write to ``path`` in the run folder, unless one failed before.
+        The first OSError is reported in one line and ends the writes to both files (they share
+        the run folder's disk): the records go on to the console alone."""
+        if self._files_failed:
+            return
+        try:
+            write(*args)
+        except OSError as error:
+            self._files_failed = True
+            logger.warning(f"metrics: writing {path} failed ({type(error).__name__}: {error}); "
+                           f"this run's metrics go to the console only from step "
+                           f"{self._last_step} on; training goes on")
+            self._release()
+
+    def _write_jsonl(self, record: dict) -> None:
         self._jsonl.write(json.dumps(_strict(record), allow_nan=False) + "\n")
         self._jsonl.flush()
+
+    def _write_tensorboard(self, step: int, scalars: dict[str, float]) -> None:
+        for key, value in scalars.items():
+            self._writer.add_scalar(key, value, step)
+        self._writer.flush()
+
+    def _record(self, step: int, record: dict, scalars: dict[str, float]) -> None:
+        """``record`` to metrics.jsonl and ``scalars`` to TensorBoard."""
+        self._last_step = step
+        self._open()
+        self._to_file(self.jsonl_path, self._write_jsonl, record)
+        if self._writer is not None:
+            self._to_file(self.tensorboard_dir, self._write_tensorboard, step, scalars)
 
     def log(self, step: int, total_steps: int, record: dict[str, float]) -> None:
         if not self.enabled:
             return
-        self._open()
         record = {"step": step, **record, "time": time.time()}
-        self._write(record)
-        if self._writer is not None:
-            for key, value in record.items():
-                if key == "nonfinite_steps":  # step numbers: the count is the scalar
-                    continue
-                if isinstance(value, list):  # one scalar per element (MoE tokens per expert)
-                    for i, item in enumerate(value):
-                        self._writer.add_scalar(f"{key}/{i}", item, step)
-                elif key not in ("step", "time"):
-                    self._writer.add_scalar(key, value, step)
-            self._writer.flush()
+        scalars = {}
+        for key, value in record.items():
+            if key == "nonfinite_steps":  # step numbers: the count is the scalar
+                continue
+            if isinstance(value, list):  # one scalar per element (MoE tokens per expert)
+                scalars.update({f"{key}/{i}": item for i, item in enumerate(value)})
+            elif key not in ("step", "time"):
+                scalars[key] = value
+        self._record(step, record, scalars)
         logger.info(self.format_line(step, total_steps, record))
 
     def log_validation(self, step: int, loss: float) -> None:
         """Validation loss and perplexity: console, TensorBoard (val/...) and metrics.jsonl."""
         if not self.enabled:
             return
-        self._open()
         perplexity = math.exp(min(loss, 50.0))
-        self._write({"step": step, "val_loss": loss, "val_perplexity": perplexity,
-                     "time": time.time()})
-        if self._writer is not None:
-            self._writer.add_scalar("val/loss", loss, step)
-            self._writer.add_scalar("val/perplexity", perplexity, step)
-            self._writer.flush()
+        self._record(step, {"step": step, "val_loss": loss, "val_perplexity": perplexity,
+                            "time": time.time()},
+                     {"val/loss": loss, "val/perplexity": perplexity})
         logger.info(f"validation step {step} | loss {loss:.4f} | perplexity {perplexity:.2f}")
 
     @staticmethod
@@ -182,11 +215,84 @@ class MetricsLogger:
         return " | ".join(parts)
 
     def close(self) -> None:
+        """Closes the files (the next record opens them again); a failed final write is reported
+        like any other, never raised."""
         if self._writer is not None:
-            self._writer.close()
+            self._to_file(self.tensorboard_dir, self._writer.close)
         if self._jsonl is not None:
-            self._jsonl.close()
+            self._to_file(self.jsonl_path, self._jsonl.close)
+        self._release()
+
+    def _release(self) -> None:
+        """Closes what is open, its errors already reported or not worth a second line."""
+        for file in (self._writer, self._jsonl):
+            if file is not None:
+                with contextlib.suppress(OSError):
+                    file.close()
         self._writer = self._jsonl = None
+
+
+def _drop_unparsed_and_later_records(path: Path, after_step: int = 0) -> None:
+    """Drops from the JSON lines at ``path`` (if any) each line that is not a JSON object, with
+    one warning (a torn last line: the process was stopped while writing it), and when
+    ``after_step`` is set the records of later steps. Rewritten only when something changes,
+    through a synced temporary file, so a crash or a full disk midway leaves the old file."""
+    if not path.is_file():
+        return
+    old = path.read_bytes()
+    lines = [line for line in old.split(b"\n") if line.strip()]
+    records = [_json_object(line) for line in lines]
+    kept = [line for line, record in zip(lines, records, strict=True) if record is not None
+            and (not after_step or record.get("step", 0) <= after_step)]
+    torn_last = bool(records) and records[-1] is None
+    unparsed = records.count(None) - torn_last
+    dropped = ["a torn last line (the process was stopped while writing it)"] * torn_last
+    if unparsed:
+        dropped.append(f"{unparsed} {'earlier ' * torn_last}line{'s' * (unparsed > 1)} that "
+                       f"{'do' if unparsed > 1 else 'does'} not parse as a JSON object")
+    new = b"".join(line + b"\n" for line in kept)
+    if new != old:
+        _replace(path, new)
+    if dropped:
+        logger.warning(f"{path}: dropped {' and '.join(dropped)}")
+
+
+def _json_object(line: bytes) -> dict | None:
+    with contextlib.suppress(ValueError):
+        if isinstance(record := json.loads(line), dict):
+            return record
+    return None
+
+
+def _replace(path: Path, data: bytes) -> None:
+    """``path`` holds ``data``, or (a crash or an error midway) what it held before."""
+    temporary = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(temporary, "wb") as file:
+            file.write(data)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            temporary.unlink(missing_ok=True)
+        raise
+
+
+def _hide_tensorboard_thread_errors() -> None:
+    """tensorboard's writer thread keeps its error for the writer's next call to raise (where
+    ``MetricsLogger`` reports it) and dies of it too: that death prints no second traceback."""
+    previous = threading.excepthook
+    if getattr(previous, "hides_tensorboard_errors", False):
+        return
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if not (isinstance(args.exc_value, OSError)
+                and type(args.thread).__module__.startswith("tensorboard.")):
+            previous(args)
+
+    hook.hides_tensorboard_errors = True
+    threading.excepthook = hook
 
 
 def _strict(value):
@@ -275,6 +381,10 @@ class StepMetrics:
         steps = step - self.first_step
         span = f"steps {self.first_step + 1}-{step}" if self.first_step else f"{steps} steps"
         loss = f" | final loss {history[-1]['loss']:.4f}" if history else ""
-        outputs = sorted(p.name + "/" * p.is_dir() for p in run_dir.iterdir())
+        try:
+            outputs = ": " + ", ".join(sorted(p.name + "/" * p.is_dir() for p in run_dir.iterdir()
+                                              if not p.name.startswith(".")))  # the lock
+        except OSError as error:
+            outputs = f" (not listed: {error.strerror})"
         return (f"done: {span} in {format_eta(time.perf_counter() - self.run_start)}{loss} | "
-                f"outputs in {run_dir}: {', '.join(outputs)}")
+                f"outputs in {run_dir}{outputs}")

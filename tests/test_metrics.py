@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from dtrain.config import MetricsConfig
+from dtrain.log import setup_logging
 from dtrain.metrics import (
     MetricsLogger,
     alloc_retries,
@@ -42,6 +43,7 @@ def test_peak_override_and_cpu_has_none():
 
 
 def test_logger_writes_jsonl_and_tensorboard(tmp_path, capsys):
+    setup_logging(rank=0)  # the console handler a Trainer installs
     logger = MetricsLogger(MetricsConfig(), tmp_path, enabled=True)
     record = {"loss": 2.5, "grad_norm": 1.0, "lr": 1e-3, "tokens_per_second_per_device": 1000.0,
               "tflops_per_device": 1.0, "mfu_percent": 10.0, "step_time_s": 0.5,
