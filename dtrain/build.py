@@ -47,17 +47,15 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def init_distributed(device: torch.device, cpu_collectives: bool = False,
-                     timeout_s: float = 1800.0) -> tuple[int, int]:
-    """Joins the torchrun process group when there is one (NCCL on GPU, gloo on CPU; on GPU
-    with ``cpu_collectives`` also gloo for CPU tensors, which asynchronous checkpoint saves
-    need), its collectives timing out after ``timeout_s``. Returns (rank, world size); a plain
-    ``python`` process is rank 0 of 1."""
+def init_distributed(device: torch.device, timeout_s: float = 1800.0) -> tuple[int, int]:
+    """Joins the torchrun process group when there is one (NCCL on GPU, gloo on CPU), its
+    collectives timing out after ``timeout_s``. Returns (rank, world size); a plain ``python``
+    process is rank 0 of 1."""
     use_cuda = device.type == "cuda"
     if use_cuda:
         torch.cuda.set_device(device)
     if world_size() > 1 and not dist.is_initialized():
-        backend = ("cuda:nccl,cpu:gloo" if cpu_collectives else "nccl") if use_cuda else "gloo"
+        backend = "nccl" if use_cuda else "gloo"
         timeout = datetime.timedelta(seconds=timeout_s)
         store = _attempt_store(timeout)
         given = {"store": store, "rank": int(os.environ["RANK"]), "world_size": world_size()} \
@@ -189,6 +187,17 @@ def build_model(cfg: Config, dims: ParallelDims, mesh: DeviceMesh | None, device
 
 def build_tokenizer(cfg: DataConfig) -> Tokenizer:
     return Tokenizer(cfg.tokenizer, bos=cfg.bos_token or None, eos=cfg.eos_token or None)
+
+
+def data_settings(data: DataConfig, seq_len: int) -> dict[str, str]:
+    """What a saved data position means: the settings of ``data.source`` that decide which
+    windows a position indexes (a resume must have the same, ``dtrain.checkpoint``)."""
+    keys = {"text": ("path", "tokenizer", "text_field", "bos_token", "eos_token"),
+            "hf": ("path", "tokenizer", "text_field", "bos_token", "eos_token", "hf_config",
+                   "hf_split"),
+            "indexed": ("path", "split")}[data.source]
+    return {"data.source": data.source, "training.seq_len": str(seq_len),
+            **{f"data.{key}": str(getattr(data, key)) for key in keys}}
 
 
 def build_loaders(data: DataConfig, validation: ValidationConfig, training: TrainingConfig,

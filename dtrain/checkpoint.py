@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import re
 import shutil
@@ -45,6 +46,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from dtrain.checkpoint_files import (
     GIB,
     check_keys,
+    describe_write_error,
     free_bytes,
     hashing_writer,
     leaves,
@@ -86,10 +88,10 @@ def checkpoint_steps(folder: Path) -> list[int]:
     return sorted(int(m.group(1)) for p in folder.iterdir() if (m := _STEP.match(p.name)))
 
 
-def needs_cpu_collectives(cfg: CheckpointConfig) -> bool:
-    """Whether the run's process group needs a CPU backend beside NCCL: asynchronous saves
-    coordinate the ranks over CPU tensors."""
-    return cfg.enabled and cfg.async_save
+def checkpoint_folder(cfg: CheckpointConfig, run_dir: Path) -> Path:
+    """Where a run's checkpoints go: ``cfg.folder`` inside the run folder, or as given when it
+    is absolute."""
+    return Path(cfg.folder) if Path(cfg.folder).is_absolute() else run_dir / cfg.folder
 
 
 class Checkpointer(StepHook):
@@ -97,18 +99,26 @@ class Checkpointer(StepHook):
     keeps the last ``keep_last``, and resumes from the latest (or ``cfg.load_step``) at start-up.
     As a step hook it holds the weights' update until an asynchronous save has copied them.
     The loader's state is saved under its ``state_key`` ("global", or "dp<rank>" for a
-    rank-local stream)."""
+    rank-local stream), beside ``data_settings`` (what that position means: the data's
+    source, path, tokenizer, sequence length...), which a resume must match."""
 
     def __init__(self, cfg: CheckpointConfig, run_dir: Path, parts: list[nn.Module],
                  optimizer: torch.optim.Optimizer, scheduler, loader, total_steps: int,
-                 cpu_group: dist.ProcessGroup | None = None):
+                 cpu_group: dist.ProcessGroup | None = None,
+                 data_settings: dict[str, str] | None = None):
         self.cfg, self.total_steps, self.cpu_group = cfg, total_steps, cpu_group
         self.saved_step = 0  # the step of the last save begun (0: none)
-        self.folder = Path(cfg.folder) if Path(cfg.folder).is_absolute() else run_dir / cfg.folder
+        self.not_saved = ""  # why the last save failed or was skipped ("" after a good one)
+        self.folder = checkpoint_folder(cfg, run_dir)
         self.model = whole_model_view(parts)
         self.optimizer, self.scheduler, self.loader = optimizer, scheduler, loader
-        self.data_key = loader.state_key
+        self.data_key, self.data_settings = loader.state_key, data_settings or {}
         self.rank = dist.get_rank() if dist.is_initialized() else 0
+        # The background write's collectives (DCP's plan and metadata exchange) on a group of
+        # their own: on the training's group they interleave with its collectives (gloo then
+        # reports a mismatch or hangs).
+        self._save_group = dist.new_group(backend="gloo") \
+            if cfg.async_save and dist.is_initialized() and dist.get_world_size() > 1 else None
         self._pending: tuple[Future, Path] | None = None
         self._staging: Future | None = None
         self._stager = None
@@ -119,13 +129,16 @@ class Checkpointer(StepHook):
     def before_update(self) -> None:
         self.wait_staged()  # an async save may still be copying the weights
 
-    def _async_stager(self):
-        """Copies to pinned host buffers (kept for the next save) on a background thread: the
-        training pauses only if it reaches the optimizer step before the copy ends."""
-        if self._stager is None and torch.cuda.is_available():
-            self._stager = DefaultStager(StagingOptions(
-                use_pinned_memory=True, use_shared_memory=False, use_async_staging=True,
-                use_non_blocking_copy=True))
+    def _async_stager(self) -> DefaultStager:
+        """A stager for one save: copies the state to host buffers (pinned on a GPU) on a
+        background thread, so the training pauses only if it reaches the optimizer step before
+        the copy ends. A new one each save, closed once the save is written: torch 2.11's
+        stager empties its copy table after each copy, and its next copy fails."""
+        self._release_stager()  # one left by a save that failed to start
+        cuda = torch.cuda.is_available()
+        self._stager = DefaultStager(StagingOptions(
+            use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=True,
+            use_non_blocking_copy=cuda))
         return self._stager
 
     def _state(self, step: int) -> dict[str, Any]:
@@ -134,6 +147,7 @@ class Checkpointer(StepHook):
             "optimizer": get_optimizer_state_dict(self.model, self.optimizer),
             "train": {"step": step, "scheduler": self.scheduler.state_dict(),
                       f"data_{self.data_key}": self.loader.state_dict(),
+                      "data_settings": json.dumps(self.data_settings, sort_keys=True),
                       "rng": {f"rank{self.rank}": rng_state()}},
         }
 
@@ -144,7 +158,7 @@ class Checkpointer(StepHook):
         start = time.perf_counter()
         self.wait()
         if self._save(step):
-            self.saved_step = step
+            self.saved_step, self.not_saved = step, ""
             logger.info(f"checkpoint step {step}: training paused "
                         f"{time.perf_counter() - start:.2f}s"
                         + (" (written in the background)" if self.cfg.async_save else ""))
@@ -155,7 +169,7 @@ class Checkpointer(StepHook):
         tmp = self.folder / f"step-{step:07d}.tmp"
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # left by an earlier crash
-        _barrier()
+        self._barrier()
         state = self._state(step)
         if not self._agree(finite_state(state)):
             self._skipped(step, "the weights or the optimizer state are not finite")
@@ -171,6 +185,7 @@ class Checkpointer(StepHook):
             with _quiet():
                 if self.cfg.async_save:
                     result = dcp.async_save(state, storage_writer=writer,
+                                            process_group=self._save_group,
                                             async_stager=self._async_stager())
                 else:
                     dcp.save(state, storage_writer=writer)
@@ -187,6 +202,7 @@ class Checkpointer(StepHook):
 
     def _skipped(self, step: int, why: str) -> None:
         latest = checkpoint_steps(self.folder)
+        self.not_saved = why
         logger.warning(f"checkpoint step {step} not saved: {why}; "
                        + (f"step {latest[-1]} stays the latest checkpoint" if latest else
                           "there is no earlier checkpoint") + "; training goes on")
@@ -194,14 +210,14 @@ class Checkpointer(StepHook):
     def _failed(self, tmp: Path, error: BaseException) -> None:
         """A write that failed on any rank (every rank gets DCP's exception): its partial
         files are removed."""
-        _barrier()
+        self._barrier()
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        step = int(tmp.name.removeprefix("step-").removesuffix(".tmp"))
+        step = _step_of(tmp)
         if self.saved_step == step:
             self.saved_step = 0
-        self._skipped(step, f"writing {tmp} failed ({_first_line(error)}; "
-                            f"{free_bytes(self.folder) / GIB:.2f} GiB free there) and its "
+        self._skipped(step, f"writing {tmp} failed: {describe_write_error(_root(error))} "
+                            f"({free_bytes(self.folder) / GIB:.2f} GiB free there); its "
                             "partial files were removed")
 
     def _agree(self, ok: bool) -> bool:
@@ -235,41 +251,64 @@ class Checkpointer(StepHook):
             except WRITE_ERRORS as e:
                 self._failed(tmp, e)
                 return
+            finally:
+                self._release_stager()
             self._finish(tmp)
 
-    def close(self) -> None:
-        """Completes a save in flight and frees the pinned staging buffers (a later save makes
-        new ones)."""
-        self.wait()
+    def _release_stager(self) -> None:
         if self._stager is not None:
             self._stager.close()
             self._stager = None
 
+    def close(self) -> None:
+        """Completes a save in flight and frees its staging buffers."""
+        self.wait()
+        self._release_stager()
+
     def _finish(self, tmp: Path) -> None:
-        write_hashes(tmp, self.rank, self._files)
-        _barrier()  # every rank has written its shards
+        try:
+            write_hashes(tmp, self.rank, self._files)
+        except OSError as e:  # the shards are written but cannot be verified: not kept
+            self._failed(tmp, e)
+            return
+        self._barrier()  # every rank has written its shards
         if self.rank == 0:
             final = tmp.with_name(tmp.name.removesuffix(".tmp"))
             shutil.rmtree(final, ignore_errors=True)
             tmp.rename(final)
-            steps = checkpoint_steps(self.folder)
-            if self.cfg.keep_last:
-                for old in steps[: -self.cfg.keep_last]:
-                    shutil.rmtree(self.folder / f"step-{old:07d}", ignore_errors=True)
-        _barrier()
+            self._rotate(_step_of(tmp))
+        self._barrier()
+
+    def _rotate(self, newest: int) -> None:
+        """Deletes all but the last ``keep_last`` checkpoints, the one just written (``newest``)
+        always kept whatever its step number."""
+        if not self.cfg.keep_last:
+            return
+        others = [s for s in checkpoint_steps(self.folder) if s != newest]
+        for old in others[: max(0, len(others) - (self.cfg.keep_last - 1))]:
+            shutil.rmtree(self.folder / f"step-{old:07d}", ignore_errors=True)
+
+    def _barrier(self) -> None:
+        """All ranks here (over the CPU group where there is one: no device synchronisation)."""
+        if dist.is_initialized():
+            dist.barrier(group=self.cpu_group)
 
     def load(self) -> int:
         """Restores the latest checkpoint (or ``cfg.load_step``); returns its step, or 0 when
         there is none. A damaged or mismatched checkpoint raises ConfigError, loading nothing
-        into the model and optimizer."""
+        into the model and optimizer. Resuming an earlier step than the latest moves the later
+        checkpoints aside (kept), so that the next resume continues this branch."""
         start = time.perf_counter()
-        step = self._load()
+        steps = checkpoint_steps(self.folder)
+        step = self._load(steps)
         if step:
-            logger.info(f"checkpoint step {step} loaded in {time.perf_counter() - start:.2f}s")
+            logger.info(f"checkpoint step {step} loaded in {time.perf_counter() - start:.2f}s"
+                        + (" without verifying its files (checkpoint.load_unverified)"
+                           if self.cfg.load_unverified else ""))
+            self._move_aside([s for s in steps if s > step], step)
         return step
 
-    def _load(self) -> int:
-        steps = checkpoint_steps(self.folder)
+    def _load(self, steps: list[int]) -> int:
         if self.cfg.load_step:
             if self.cfg.load_step not in steps:
                 raise ConfigError(f"checkpoint.load_step = {self.cfg.load_step} not found in "
@@ -281,7 +320,13 @@ class Checkpointer(StepHook):
         else:
             return 0
         path = self.folder / f"step-{step:07d}"
+        fix = ("It is damaged or was saved for another model shape or data source; point "
+               "checkpoint.folder elsewhere or set checkpoint.load_step to another step")
         state = self._state(0)
+        check_keys(state, path, f"checkpoint {path}", fix)
+        if not self.cfg.load_unverified:
+            verify_hashes(path, f"checkpoint {path}")
+        self._check_data_settings(path)
         # Generator states are per rank: restored only when this rank's state was saved (the
         # same world size); otherwise the run keeps its seeded generators.
         saved = _saved_keys(path)
@@ -289,8 +334,24 @@ class Checkpointer(StepHook):
         saved_rng = f"train.rng.rank{self.rank}" in saved
         if not saved_rng:
             del state["train"]["rng"]
-        # Rank-local data states: one per data-parallel rank of the saving run, the same
-        # number on every rank, so that all refuse together.
+        del state["train"]["data_settings"]  # read and compared above
+        if self.cfg.reset_data_position:
+            del state["train"][f"data_{self.data_key}"]
+        else:
+            self._check_streams(path, saved)
+        read_checkpoint(state, path, f"checkpoint {path}", fix, verify=False)
+        set_model_state_dict(self.model, _with_extra(state, extra))
+        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+        self.scheduler.load_state_dict(state["train"]["scheduler"])
+        if not self.cfg.reset_data_position:
+            self.loader.load_state_dict(state["train"][f"data_{self.data_key}"])
+        if saved_rng:
+            set_rng_state(state["train"]["rng"][f"rank{self.rank}"])
+        return int(state["train"]["step"])
+
+    def _check_streams(self, path: Path, saved: set[str]) -> None:
+        """Rank-local data states: one per data-parallel rank of the saving run, the same
+        number on every rank, so that all refuse together."""
         streams = {k.split(".")[1] for k in saved if k.startswith("train.data_dp")}
         if self.data_key != "global" and streams and len(streams) != self.loader.dp_size:
             raise ConfigError(
@@ -298,17 +359,48 @@ class Checkpointer(StepHook):
                 f"data-parallel ranks and this run has {self.loader.dp_size}: streamed HF data "
                 "resumes only under the same data-parallel degree; run with that degree, or "
                 "use data.source = 'indexed' (which resumes under any)")
-        read_checkpoint(state, path, f"checkpoint {path}",
-                        "It is damaged or was saved for another model shape or data source; "
-                        "point checkpoint.folder elsewhere or set checkpoint.load_step to "
-                        "another step")
-        set_model_state_dict(self.model, _with_extra(state, extra))
-        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
-        self.scheduler.load_state_dict(state["train"]["scheduler"])
-        self.loader.load_state_dict(state["train"][f"data_{self.data_key}"])
-        if saved_rng:
-            set_rng_state(state["train"]["rng"][f"rank{self.rank}"])
-        return int(state["train"]["step"])
+
+    def _check_data_settings(self, path: Path) -> None:
+        """Refuses a resume whose data settings differ from the checkpoint's: its saved data
+        position would index other windows. ``cfg.reset_data_position`` starts the data
+        from its beginning instead (said in one line)."""
+        saved_text = {"train": {"data_settings": ""}}
+        if "train.data_settings" not in _saved_keys(path):
+            logger.warning(f"checkpoint {path} has no record of its data settings (written by "
+                           "an older dtrain): the data position is resumed unchecked")
+            return
+        read_checkpoint(saved_text, path, f"checkpoint {path}", "", verify=False)
+        saved = json.loads(saved_text["train"]["data_settings"])
+        changed = [k for k in sorted(set(saved) | set(self.data_settings))
+                   if saved.get(k) != self.data_settings.get(k)]
+        if not changed:
+            return
+        if self.cfg.reset_data_position:
+            logger.info(f"checkpoint.reset_data_position: the data starts from its beginning "
+                        f"({', '.join(changed)} changed since the checkpoint)")
+            return
+        listed = "; ".join(f"{k} was {saved.get(k)!r} and is now {self.data_settings.get(k)!r}"
+                           for k in changed)
+        raise ConfigError(f"checkpoint {path}: the data settings changed since it was saved "
+                          f"({listed}), so its saved data position would index other data: "
+                          "set them back, or set checkpoint.reset_data_position = true to "
+                          "start the data from its beginning")
+
+    def _move_aside(self, later: list[int], step: int) -> None:
+        """The checkpoints after the resumed ``step`` (a branch the user left) moved into a
+        folder of their own: kept, but no longer resumed from nor rotated."""
+        if not later:
+            return
+        aside = self.folder / f"after-step-{step}-{time.strftime('%Y%m%d-%H%M%S')}"
+        self._barrier()  # every rank has read the checkpoint
+        if self.rank == 0:
+            aside.mkdir()
+            for s in later:
+                (self.folder / f"step-{s:07d}").rename(aside / f"step-{s:07d}")
+        self._barrier()
+        logger.warning(f"checkpoint.load_step = {step}: the later checkpoints (step "
+                       f"{', '.join(map(str, later))}) moved to {aside}; this run continues "
+                       f"from step {step}")
 
 
 def rng_state() -> torch.Tensor:
@@ -400,12 +492,14 @@ def _with_extra(state: dict[str, Any], own: dict[str, bytes]) -> dict[str, Any]:
     return {**state["model"], **extra}
 
 
-def read_checkpoint(state: dict[str, Any], path: str | Path, what: str, fix: str) -> None:
-    """``dcp.load`` into ``state``; any failure (a damaged or missing shard, a tensor the
-    checkpoint lacks or has in another shape) becomes one ConfigError naming ``what`` and the
-    root cause, followed by ``fix``."""
-    check_keys(state, Path(path), what, fix)
-    verify_hashes(Path(path), what)
+def read_checkpoint(state: dict[str, Any], path: str | Path, what: str, fix: str,
+                    verify: bool = True) -> None:
+    """``dcp.load`` into ``state``, after comparing the model's keys and (``verify``) the files'
+    hashes; any failure (a damaged or missing shard, a tensor the checkpoint lacks or has in
+    another shape) becomes one ConfigError naming ``what`` and the root cause, then ``fix``."""
+    if verify:
+        check_keys(state, Path(path), what, fix)
+        verify_hashes(Path(path), what)
     try:
         with _quiet():
             dcp.load(state, checkpoint_id=str(path))
@@ -433,14 +527,20 @@ def _quiet():
         yield
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
+def _root(error: BaseException) -> BaseException:
+    """The first rank's own exception inside DCP's CheckpointException."""
+    if isinstance(error, CheckpointException) and error.failures:
+        return next(iter(error.failures.values()))[0]
+    return error
 
 
 def _first_line(error: BaseException) -> str:
-    """The root cause in one line (DCP wraps each rank's exception in CheckpointException)."""
-    if isinstance(error, CheckpointException) and error.failures:
-        error = next(iter(error.failures.values()))[0]
+    """The root cause in one line."""
+    error = _root(error)
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[0] if text else ''}"[:500]
+
+
+def _step_of(folder: Path) -> int:
+    """The step of a checkpoint folder, written or being written (``step-0000100[.tmp]``)."""
+    return int(folder.name.removeprefix("step-").removesuffix(".tmp"))

@@ -3,13 +3,14 @@ hash of each recorded while it is written (no second read), the hashes checked a
 keys compared with the saved ones before anything is loaded.
 
 Each rank's hashes go into ``hashes-rank<R>.json`` inside the checkpoint folder (file name ->
-xxh3-64 hex digest and size). A resume checks every listed file (the ranks share the files
-between them) and names the first one that differs.
+xxh3-64 hex digest and size). A resume checks every file the checkpoint's metadata names (the
+ranks share the files between them) and names the first one that differs or has no record.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import shutil
 from pathlib import Path
@@ -88,17 +89,19 @@ def file_hash(path: Path) -> str:
 
 
 def verify_hashes(folder: Path, what: str) -> None:
-    """Compares every file listed in the folder's hash records with its content; the ranks
-    share the work. Raises ConfigError on every rank naming the first damaged or missing file.
-    A checkpoint without records (written before they existed) passes."""
+    """Compares every file of the checkpoint (the shards its ``.metadata`` names, and the
+    ``.metadata`` itself) with the hash recorded when it was written; the ranks share the work.
+    Raises ConfigError on every rank naming the first file that is damaged, missing, or has no
+    readable hash record (``checkpoint.load_unverified`` loads such a checkpoint anyway)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
-    entries = sorted((name, entry) for record in sorted(folder.glob("hashes-rank*.json"))
-                     for name, entry in json.loads(record.read_text()).items())
-    problem = ""
-    for name, entry in entries[rank::world]:
+    problem, entries = _hash_records(folder)
+    for name, entry in (entries[rank::world] if not problem else []):
         path = folder / name
-        if not path.is_file():
+        if entry is None:
+            problem = (f"file {path} has no recorded hash (a hashes-rank*.json file is missing, "
+                       "or the checkpoint was written by an older dtrain)")
+        elif not path.is_file():
             problem = f"file {path} is missing"
         elif path.stat().st_size != entry["bytes"] or file_hash(path) != entry["xxh3_64"]:
             problem = f"file {path} is damaged (its content differs from when it was written)"
@@ -110,7 +113,44 @@ def verify_hashes(folder: Path, what: str) -> None:
         dist.all_gather_object(problems, problem)
     if found := next((p for p in problems if p), None):
         raise ConfigError(f"{what} cannot be loaded: {found}. Delete that checkpoint folder to "
-                          "resume from the one before, or set checkpoint.load_step")
+                          "resume from the one before, set checkpoint.load_step, or set "
+                          "checkpoint.load_unverified = true to load it unchecked")
+
+
+def _hash_records(folder: Path) -> tuple[str, list[tuple[str, dict | None]]]:
+    """(a problem, or ""; each file the checkpoint needs with its recorded hash entry, None
+    where no record has one)."""
+    recorded: dict[str, dict] = {}
+    for record in sorted(folder.glob("hashes-rank*.json")):
+        try:
+            entries = json.loads(record.read_text())
+            if not isinstance(entries, dict):
+                raise ValueError("not a JSON object")
+        except (OSError, ValueError) as e:
+            return f"its hash record {record} cannot be read ({type(e).__name__})", []
+        recorded.update(entries)
+    try:
+        metadata = dcp.FileSystemReader(str(folder)).read_metadata()
+    except Exception:  # check_keys, which runs first, names this problem
+        return "", []
+    needed = {item.relative_path for item in (metadata.storage_data or {}).values()}
+    needed.add(".metadata")
+    return "", [(name, recorded.get(name)) for name in sorted(needed)]
+
+
+def describe_write_error(error: BaseException) -> str:
+    """What a failed checkpoint write means, in the user's words: a full disk, a read-only
+    one, or the error's first line (torch's file writer reports a full disk as a short write,
+    "unexpected pos", without an errno)."""
+    code = getattr(error, "errno", None)
+    text = (str(error).strip().splitlines() or [""])[0]
+    if code == errno.ENOSPC or "unexpected pos" in text or "No space left" in text:
+        return "the disk is full (No space left on device)"
+    if code == errno.EROFS or "Read-only file system" in text:
+        return "the file system is read-only"
+    if code in (errno.EACCES, errno.EPERM):
+        return f"permission denied ({text})"
+    return f"{type(error).__name__}: {text}"[:500]
 
 
 def check_keys(state: dict[str, Any], path: Path, what: str, fix: str) -> None:

@@ -4,13 +4,20 @@ table): ``python -m dtrain.train`` prints the message as one line and exits with
 from __future__ import annotations
 
 EXIT_BAD_INPUT = 2
-"""A config, data or checkpoint the run cannot use (``ConfigError``)."""
+"""A config, data, checkpoint or run folder the run cannot use (``ConfigError``): a typo, a
+missing or damaged file, a folder another run holds, a folder it cannot write."""
 EXIT_NONFINITE = 3
 """Too many non-finite steps in a row (``NonFiniteStop``)."""
 EXIT_HANG = 4
-"""A rank made no progress for ``training.hang_timeout_s`` (``dtrain.watchdog``)."""
+"""A rank made no progress within its phase's allowance (``dtrain.watchdog``)."""
+EXIT_NOT_SAVED = 5
+"""The run reached its last step but the checkpoint of that step could not be written (a full
+or unwritable disk: ``CheckpointNotSaved``); the latest checkpoint is an earlier step."""
 EXIT_PREEMPTED = 75
-"""Stopped by SIGTERM or SIGUSR1 after saving (``Preempted``); 75 is EX_TEMPFAIL: run again."""
+"""Stopped by SIGTERM, SIGUSR1 or Ctrl-C after saving (``Preempted``); 75 is EX_TEMPFAIL: run
+again to resume."""
+EXIT_INTERRUPTED = 130
+"""Ctrl-C with checkpointing off (128 + SIGINT, the shell's convention): nothing was saved."""
 
 
 class RunStopped(Exception):
@@ -24,3 +31,11 @@ class NonFiniteStop(RunStopped):
 
 class Preempted(RunStopped):
     exit_code = EXIT_PREEMPTED
+
+
+class CheckpointNotSaved(RunStopped):
+    exit_code = EXIT_NOT_SAVED
+
+
+class Interrupted(RunStopped):
+    exit_code = EXIT_INTERRUPTED

@@ -245,6 +245,8 @@ def import_hf(hf_folder: str | Path, out: str | Path) -> LlamaArgs:
 
     import torch.distributed.checkpoint as dcp
 
+    from dtrain.checkpoint_files import hashing_writer, write_hashes
+
     args, hf = read_hf(hf_folder)
     state = from_hf_state_dict(hf, args)
     with torch.device("meta"):
@@ -256,8 +258,10 @@ def import_hf(hf_folder: str | Path, out: str | Path) -> LlamaArgs:
             raise ConfigError(f"{name}: HF shape {tuple(state[name].shape)} does not match the "
                               f"config's {tuple(tensor.shape)}")
     out = Path(out)
+    writer, files = hashing_writer(out)  # hashed, so that a run verifies it like its own
     dcp.save({"model": {k: v.float().contiguous() for k, v in state.items()}},
-             checkpoint_id=str(out))
+             storage_writer=writer)
+    write_hashes(out, 0, files)
     (out / "model_args.json").write_text(json.dumps(dataclasses.asdict(args), indent=1))
     return args
 

@@ -21,12 +21,19 @@ from dtrain.build import (
     build_loaders,
     build_model,
     build_tokenizer,
+    data_settings,
     init_distributed,
     local_device,
     world_size,
 )
-from dtrain.checkpoint import Checkpointer, load_model_weights, needs_cpu_collectives
+from dtrain.checkpoint import (
+    Checkpointer,
+    checkpoint_folder,
+    checkpoint_steps,
+    load_model_weights,
+)
 from dtrain.config import Config
+from dtrain.errors import Preempted
 from dtrain.hooks import Hooks, StepHook
 from dtrain.log import logger, setup_logging
 from dtrain.metrics import MetricsLogger, StepMetrics
@@ -53,7 +60,8 @@ from dtrain.parallel.step_weights import (
     step_grad_embeddings,
     step_weight_linears,
 )
-from dtrain.preemption import Preemption
+from dtrain.preemption import Preemption, restart_after_preemption
+from dtrain.run_folder import RunFolder
 from dtrain.step import (
     Accumulation,
     DeviceBatches,
@@ -63,7 +71,7 @@ from dtrain.step import (
 )
 from dtrain.validate import validate
 from dtrain.validation import Validator
-from dtrain.watchdog import HangWatchdog, nccl_debug_env
+from dtrain.watchdog import HangWatchdog, collective_timeout_s, nccl_debug_env
 
 
 class Run:
@@ -78,18 +86,28 @@ class Run:
         self.run_dir = Path(cfg.job.output_dir) / cfg.job.name
         # Collectives time out a minute after the watchdog (dtrain.watchdog) would have ended a
         # rank without progress: the watchdog, which writes the stacks, speaks first.
-        timeout = cfg.training.hang_timeout_s + 60
+        timeout = collective_timeout_s(cfg.training)
         if device.type == "cuda":
             nccl_debug_env(self.run_dir, int(os.environ.get("RANK", "0")))
-        self.rank, self.world_size = init_distributed(
-            device, needs_cpu_collectives(cfg.checkpoint), timeout)
+        self.rank, self.world_size = init_distributed(device, timeout)
         setup_logging(self.rank)
-        self.mesh = self.dims.build_mesh(device.type) if self.world_size > 1 else None
+        if message := restart_after_preemption(self.run_dir, self.rank):
+            logger.info(message)
+            raise Preempted(message)
         # Host-side agreements (preemption, checkpoint checks) over CPU tensors: no device sync.
         self.cpu_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout)) \
             if self.world_size > 1 else None
-        self.watchdog = HangWatchdog(cfg.training.hang_timeout_s, self.run_dir, self.rank)
-        self.preemption = Preemption(self.cpu_group)
+        ckpt = cfg.checkpoint
+        self.folder = RunFolder.claim(
+            self.run_dir, resuming=ckpt.enabled and bool(checkpoint_steps(
+                checkpoint_folder(ckpt, self.run_dir))),
+            overwrite=cfg.job.overwrite, rank=self.rank, group=self.cpu_group)
+        self.mesh = self.dims.build_mesh(device.type) if self.world_size > 1 else None
+        tcfg = cfg.training
+        self.watchdog = HangWatchdog(tcfg.hang_timeout_s, self.run_dir, self.rank,
+                                     startup_timeout_s=tcfg.startup_timeout_s,
+                                     save_timeout_s=tcfg.save_timeout_s)
+        self.preemption = Preemption(self.cpu_group, interrupt=ckpt.enabled)
         self.global_batch, self.grad_accum = batch_arithmetic(cfg.training, self.dims.dp)
         self.tokens_per_step = self.global_batch * cfg.training.seq_len
         torch.manual_seed(cfg.training.seed)
@@ -168,7 +186,8 @@ class Run:
         if cfg.checkpoint.enabled:
             self.checkpointer = Checkpointer(cfg.checkpoint, self.run_dir, self.model_parts,
                                              self.optimizer, self.scheduler, self.loader,
-                                             tcfg.steps, self.cpu_group)
+                                             tcfg.steps, self.cpu_group,
+                                             data_settings(cfg.data, tcfg.seq_len))
             self.step = self.checkpointer.load()
         if cfg.checkpoint.initial_weights and self.step == 0:
             load_model_weights(self.model_parts, cfg.checkpoint.initial_weights)
@@ -352,5 +371,6 @@ class Run:
         self.loader.close()
         self.metrics_logger.close()
         self.watchdog.stop()
+        self.folder.release()
         if dist.is_initialized():
             dist.destroy_process_group()

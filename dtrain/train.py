@@ -13,7 +13,7 @@ import os
 import sys
 
 from dtrain.config import ConfigError, help_text, load_config
-from dtrain.errors import EXIT_BAD_INPUT, NonFiniteStop, Preempted
+from dtrain.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, Preempted, RunStopped
 from dtrain.trainer import Trainer
 
 
@@ -57,12 +57,17 @@ def main(argv: list[str] | None = None) -> int:
         # a rank-local one (its data shard) is seen by that rank alone.
         print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
-    except NonFiniteStop as e:  # every rank stops at the same step; rank 0 says why
+    except Preempted as e:  # the trainer logged its line
+        return e.exit_code
+    except RunStopped as e:  # every rank stops at the same step; rank 0 says why
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {e}", file=sys.stderr, flush=True)
         return e.exit_code
-    except Preempted as e:  # the trainer logged its line
-        return e.exit_code
+    except KeyboardInterrupt:  # Ctrl-C without checkpoints, or a second Ctrl-C
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: interrupted (Ctrl-C): stopped at once; nothing was saved since the "
+                  f"last checkpoint (exit code {EXIT_INTERRUPTED})", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
     return 0
 
 

@@ -17,9 +17,11 @@ import gc
 
 import torch
 
-from dtrain.errors import Preempted
+from dtrain.checkpoint import checkpoint_steps
+from dtrain.errors import CheckpointNotSaved, Preempted
 from dtrain.log import Progress, logger
 from dtrain.optim import clip_grad_norm_, skip_update_if
+from dtrain.preemption import note_preemption
 from dtrain.run import Run
 from dtrain.step import StepResult
 
@@ -84,17 +86,19 @@ class Trainer(Run):
                     result = self.run_step()
                     collect(self.step)
                     self.watchdog.beat(self.step)
-                    if self.checkpointer and self.checkpointer.should_save(self.step):
-                        with self.metrics.paused():
-                            self.wait_for_update()
-                            self.checkpointer.save(self.step)
-                    if self.validator.should_run(self.step):
-                        with self.metrics.paused():
-                            self.wait_for_update()
-                            self.validator.run(self.step)
+                    # The step's record before its checkpoint: a run killed during the save
+                    # resumes after an earlier step and logs this one again, never loses it.
                     if self.metrics.step_done(self.step, result.data_wait):
                         self.history.append(self.metrics.log(self.step, result,
                                                              self.hooks.record(self.step)))
+                    if self.checkpointer and self.checkpointer.should_save(self.step):
+                        with self.metrics.paused(), self.watchdog.phase("checkpoint save"):
+                            self.wait_for_update()
+                            self.checkpointer.save(self.step)
+                    if self.validator.should_run(self.step):
+                        with self.metrics.paused(), self.watchdog.phase("validation"):
+                            self.wait_for_update()
+                            self.validator.run(self.step)
                     self.watchdog.beat(self.step)
                     progress.update()
                     if signal := self.preemption.requested():
@@ -106,9 +110,25 @@ class Trainer(Run):
             self.watchdog.stop()
             self.wait_for_update()  # the weights are the last step's for whatever reads them
             self._pause()
-        if self.step == self.config.training.steps and self.rank == 0:  # it lists rank 0's folder
-            logger.info(self.metrics.done_line(self.step, self.history, self.run_dir))
+        if self.step == self.config.training.steps:
+            self._check_final_checkpoint()
+            if self.rank == 0:  # it lists rank 0's folder
+                logger.info(self.metrics.done_line(self.step, self.history, self.run_dir))
         return self.history
+
+    def _check_final_checkpoint(self) -> None:
+        """A run that reached its last step without that step's checkpoint (the disk filled,
+        or became read-only) ends with ``CheckpointNotSaved``, never as a success."""
+        ckpt = self.checkpointer
+        if ckpt is None or ckpt.saved_step == self.step:
+            return
+        latest = checkpoint_steps(ckpt.folder)
+        raise CheckpointNotSaved(
+            f"the run reached its last step {self.step} but its checkpoint could not be saved "
+            f"({ckpt.not_saved}); "
+            + (f"the latest checkpoint is step {latest[-1]}" if latest else "no checkpoint "
+               "was saved") + f": make room in {ckpt.folder} and run the same command again to "
+            f"train the steps since (exit code {CheckpointNotSaved.exit_code})")
 
     def _stop_for(self, signal: str) -> None:
         """A preemption signal reached a rank: every rank saves the current step (unless it was
@@ -116,9 +136,10 @@ class Trainer(Run):
         saved = "checkpointing is off: nothing saved"
         if self.checkpointer:
             self.wait_for_update()
-            if self.checkpointer.saved_step != self.step:
-                self.checkpointer.save(self.step)
-            self.checkpointer.close()  # an asynchronous save completes before the exit
+            with self.watchdog.phase("checkpoint save"):
+                if self.checkpointer.saved_step != self.step:
+                    self.checkpointer.save(self.step)
+                self.checkpointer.close()  # an asynchronous save completes before the exit
             if self.checkpointer.saved_step == self.step:
                 saved = f"checkpoint step {self.step} saved in {self.checkpointer.folder}"
             else:
@@ -126,6 +147,8 @@ class Trainer(Run):
         message = (f"{signal}: stopped after step {self.step}; {saved}; exit code "
                    f"{Preempted.exit_code} (run the same command again to resume)")
         logger.info(message)
+        if self.rank == 0:
+            note_preemption(self.run_dir, self.step, signal)
         raise Preempted(message)
 
     def _pause(self) -> None:

@@ -64,9 +64,10 @@ def test_keep_last_and_load_step(tmp_path):
     trainer(tmp_path, 20, **{"checkpoint.keep_last": 2}).train()
     folder = tmp_path / "debug" / "checkpoints"
     assert checkpoint_steps(folder) == [15, 20]
-    assert trainer(tmp_path, 20, **{"checkpoint.load_step": 15}).step == 15
     with pytest.raises(ConfigError, match="load_step = 5 not found .* available steps are 15, 20"):
         trainer(tmp_path, 20, **{"checkpoint.load_step": 5})
+    assert trainer(tmp_path, 20, **{"checkpoint.load_step": 15}).step == 15
+    assert checkpoint_steps(folder) == [15]  # step 20's branch moved aside (test_run_safety)
 
 
 def test_crash_during_save_leaves_previous_checkpoint(tmp_path, monkeypatch, continuous):
@@ -138,7 +139,9 @@ def test_rerun_after_finishing_does_nothing_more(tmp_path):
     again = trainer(tmp_path, 5)
     assert again.step == 5 and again.train() == []
     shutil.rmtree(tmp_path / "debug" / "checkpoints")
-    assert trainer(tmp_path, 5).step == 0
+    with pytest.raises(ConfigError, match="already holds a run's metrics"):
+        trainer(tmp_path, 5)  # a new run over the old one's metrics (test_run_safety)
+    assert trainer(tmp_path, 5, **{"job.overwrite": True}).step == 0
 
 
 def test_expert_parallel_2_resumes_as_expert_parallel_4(tmp_path, moe_reference):

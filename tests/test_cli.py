@@ -64,7 +64,8 @@ def rank_errors(tmp_path, args: list[str]) -> tuple[list[list[str]], str]:
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
          "--monitor-interval", "10", "--log-dir", str(logs), "--redirects", "3",
-         "-m", "dtrain.train", "--recipe", "debug", *args],
+         "-m", "dtrain.train", "--recipe", "debug", "--job.output_dir", str(tmp_path / "out"),
+         *args],
         capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
     assert result.returncode != 0
     files = sorted(logs.glob("*/attempt_0/*/stderr.log"), key=lambda p: int(p.parent.name))

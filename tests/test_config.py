@@ -107,6 +107,8 @@ def test_invalid_choice_lists_choices():
     ("training.max_norm=nan", "a finite number >= 0"),
     ("optimizer.betas=[0.9, nan]", "two numbers in"),
     ("training.hang_timeout_s=0", "a number of seconds > 0"),
+    ("training.startup_timeout_s=0", "a number of seconds > 0"),
+    ("training.save_timeout_s=-1", "a number of seconds > 0"),
 ])
 def test_out_of_range(override, allowed):
     key = override.split("=")[0]

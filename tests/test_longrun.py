@@ -3,6 +3,7 @@ checkpoints and resumed metrics. Each test causes the fault for real and checks 
 sees."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -173,9 +174,25 @@ def test_a_stopped_rank_ends_the_job_with_the_others_stacks(tmp_path):
     assert time.monotonic() - start < timeout + 45
     stacks = (tmp_path / "debug" / "hang-rank0.txt").read_text()
     assert "no progress for" in stacks and "Thread" in stacks and "File" in stacks
-    line = next(line for line in err.splitlines() if "made no progress" in line)
-    assert line.startswith("error: rank 0 made no progress") and "hang-rank0.txt" in line
+    assert re.search(r"rank 1: after step \d+, .* \(silent\)", stacks)
+    line = next(line for line in err.splitlines() if line.startswith("error:"))
+    # Rank 0 waited and ends the job; the line names rank 1, whose reports stopped.
+    assert re.fullmatch(r"error: rank 1 stopped making progress after step \d+ \(no report for "
+                        r"\d+ s; the others reached step \d+ and waited \d+ s\): rank 0's "
+                        r"stacks are in .*hang-rank0.txt; stopping the job \(exit code 4\)", line)
     assert f"exitcode  : {EXIT_HANG} " in err or f"exitcode: {EXIT_HANG}" in err
+
+
+def test_a_first_step_that_compiles_longer_than_the_hang_timeout_is_no_hang(tmp_path):
+    timeout = 3
+    process = torchrun([*SMALL, "--training.steps", "4", "--compile.enabled", "true",
+                        "--training.hang_timeout_s", str(timeout),
+                        "--job.output_dir", str(tmp_path)])
+    out, err = process.communicate(timeout=600)
+    assert process.returncode == 0, err[-3000:]
+    records = strict_records(tmp_path / "debug")
+    assert records[0]["step_time_s"] > timeout  # else this run proves nothing
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
 
 
 # ---- disks and checkpoints -----------------------------------------------------------------

@@ -39,7 +39,6 @@ def main() -> None:
     parser.add_argument("--second-save", action="store_true",
                         help="also time a second async save (pinned buffers already allocated)")
     args, overrides = parser.parse_known_args()
-    # Enabled with async saves so the process group gets the CPU collectives those need.
     overrides += ["--checkpoint.enabled", "true", "--checkpoint.async_save", "true",
                   "--checkpoint.folder", args.folder, "--metrics.tensorboard", "false"]
     trainer = Trainer(load_config(args.recipe, overrides))
@@ -69,6 +68,8 @@ def main() -> None:
         """The loader's position, saved as in training; a loader that has started cannot
         rewind, so the load keeps it where it is (its state is a few integers)."""
 
+        state_key = "global"
+
         def state_dict(self):
             return trainer.loader.state_dict()
 
@@ -80,7 +81,8 @@ def main() -> None:
                                   async_save=async_save, keep_last=1, load_step=0)
         trainer.checkpointer = Checkpointer(cfg, trainer.run_dir, trainer.model_parts,
                                             trainer.optimizer, trainer.scheduler,
-                                            DataPosition(), data_key="global")
+                                            DataPosition(), trainer.config.training.steps,
+                                            trainer.cpu_group)
         return trainer.checkpointer
 
     def clear() -> None:

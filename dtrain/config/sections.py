@@ -38,6 +38,10 @@ class JobConfig:
     """Folder that holds one sub-folder per run (config.toml, tb/, metrics.jsonl)."""
     description: str = ""
     """Free text saved with the run."""
+    overwrite: bool = False
+    """Start a new run in a run folder that holds an earlier run's metrics (and no checkpoint
+    to resume): its metrics.jsonl and tb/ are deleted first. Without it such a start is
+    refused."""
 
 
 @dataclass
@@ -164,8 +168,17 @@ class TrainingConfig:
     max_nonfinite_steps: int = ranged(3, lambda v: v >= 1, "an integer >= 1")
     """With nonfinite = "skip": this many non-finite steps in a row stop the run (exit code 3)."""
     hang_timeout_s: float = ranged(1800.0, lambda v: v > 0, "a number of seconds > 0")
-    """A rank without progress for this long writes every thread's stack to the run folder and
-    ends the job (exit code 4); every collective times out a minute later, as a last resort."""
+    """A training step (after the first 2 of a start) that makes no progress for this long is a
+    hang: the rank writes every thread's stack to the run folder, names the rank that stopped
+    and ends the job (exit code 4). Every collective times out a minute after the largest of
+    hang_timeout_s, startup_timeout_s and save_timeout_s, as a last resort."""
+    startup_timeout_s: float = ranged(3600.0, lambda v: v > 0, "a number of seconds > 0")
+    """The hang allowance of start-up and compilation (from the start of training to the end of
+    its first 2 steps: the first compiles, the second may recompile) and of every validation
+    pass (the first compiles the evaluation graphs)."""
+    save_timeout_s: float = ranged(3600.0, lambda v: v > 0, "a number of seconds > 0")
+    """The hang allowance of a checkpoint save: its time grows with the model and the storage,
+    not with the compiler, hence its own."""
 
 
 @dataclass
@@ -264,6 +277,13 @@ class CheckpointConfig:
     initial_weights: str = ""
     """Start a new run from these model weights: a checkpoint made by tools/convert_hf.py
     import, or any dtrain checkpoint step folder (ignored when resuming a run)."""
+    load_unverified: bool = False
+    """Load a checkpoint without checking its files against the hashes recorded when they were
+    written (for one whose hash records are missing or damaged); said at start-up."""
+    reset_data_position: bool = False
+    """On resume, start the data from its beginning instead of the saved position: for a
+    resume whose data settings (data.source, data.path, data.tokenizer, training.seq_len, ...)
+    differ from the checkpoint's, which is refused otherwise."""
 
 
 @dataclass
