@@ -10,7 +10,8 @@ after the same step; the trainer then saves, logs one line and raises ``Preempte
 A preempted job must end, not train on: torchrun's ``--max-restarts`` restarts workers that
 exit non-zero, whatever the code. So rank 0 leaves ``<run>/preempted.json`` (the job, the
 attempt, the step), and a worker that torchrun restarts after it finds the note and exits 75 at
-once (``restart_after_preemption``); a new launch of the job removes the note and resumes.
+once (``restart_after_preemption``); a new launch of the job removes the note
+(``forget_preemption``) and resumes.
 """
 
 from __future__ import annotations
@@ -93,18 +94,14 @@ def note_preemption(run_dir: Path, step: int, signal_name: str) -> None:
         pass
 
 
-def restart_after_preemption(run_dir: Path, rank: int) -> str | None:
+def restart_after_preemption(run_dir: Path) -> str | None:
     """The line to exit with when this process is torchrun's restart of a job that was
-    preempted (its note is from an earlier attempt of the same job); None otherwise. The first
-    attempt of a launch removes an old note (rank 0)."""
+    preempted (its note is from an earlier attempt of the same job); None otherwise."""
     job, attempt = torchrun_attempt()
-    path = run_dir / NOTE
     if attempt == 0:
-        if rank == 0:
-            path.unlink(missing_ok=True)
         return None
     try:
-        note = json.loads(path.read_text())
+        note = json.loads((run_dir / NOTE).read_text())
     except (OSError, ValueError):
         return None
     if note.get("job") != job or note.get("attempt", attempt) >= attempt:
@@ -112,3 +109,10 @@ def restart_after_preemption(run_dir: Path, rank: int) -> str | None:
     return (f"{note.get('signal')}: this job was preempted after step {note.get('step')}; "
             f"torchrun restarted it (attempt {attempt}), which stops at once with exit code "
             f"{EXIT_PREEMPTED}: launch the job again to resume from its checkpoint")
+
+
+def forget_preemption(run_dir: Path) -> None:
+    """A new launch (torchrun's first attempt) resumes: the note of an earlier preemption goes.
+    Called by rank 0 once the run holds its folder."""
+    if torchrun_attempt()[1] == 0:
+        (run_dir / NOTE).unlink(missing_ok=True)

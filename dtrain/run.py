@@ -60,7 +60,7 @@ from dtrain.parallel.step_weights import (
     step_grad_embeddings,
     step_weight_linears,
 )
-from dtrain.preemption import Preemption, restart_after_preemption
+from dtrain.preemption import Preemption, forget_preemption, restart_after_preemption
 from dtrain.run_folder import RunFolder
 from dtrain.step import (
     Accumulation,
@@ -91,7 +91,7 @@ class Run:
             nccl_debug_env(self.run_dir, int(os.environ.get("RANK", "0")))
         self.rank, self.world_size = init_distributed(device, timeout)
         setup_logging(self.rank)
-        if message := restart_after_preemption(self.run_dir, self.rank):
+        if message := restart_after_preemption(self.run_dir):
             logger.info(message)
             raise Preempted(message)
         # Host-side agreements (preemption, checkpoint checks) over CPU tensors: no device sync.
@@ -102,6 +102,8 @@ class Run:
             self.run_dir, resuming=ckpt.enabled and bool(checkpoint_steps(
                 checkpoint_folder(ckpt, self.run_dir))),
             overwrite=cfg.job.overwrite, rank=self.rank, group=self.cpu_group)
+        if self.rank == 0:
+            forget_preemption(self.run_dir)
         self.mesh = self.dims.build_mesh(device.type) if self.world_size > 1 else None
         tcfg = cfg.training
         self.watchdog = HangWatchdog(tcfg.hang_timeout_s, self.run_dir, self.rank,
