@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
-from dtrain.config import LRScheduleConfig, OptimizerConfig
+from dtrain.config import ConfigError, LRScheduleConfig, OptimizerConfig
 
 
 def build_optimizer(model: nn.Module | list[nn.Module], cfg: OptimizerConfig, device_type: str
@@ -54,6 +54,28 @@ def lr_factor(step: int, cfg: LRScheduleConfig, total_steps: int, peak_lr: float
     if cfg.decay == "linear":
         return floor + (1 - floor) * (1 - progress)
     return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def check_lr_schedule(cfg: LRScheduleConfig, peak_lr: float) -> None:
+    """Refuses a floor above the peak (the "decay" would climb to it): ``min_lr`` is absolute,
+    as Megatron-LM's ``--min-lr``, so a lower ``optimizer.lr`` needs a lower ``min_lr`` too."""
+    if cfg.decay != "constant" and cfg.min_lr > peak_lr:
+        raise ConfigError(
+            f"lr_schedule.min_lr = {cfg.min_lr:g} is above optimizer.lr = {peak_lr:g}: the "
+            f"{cfg.decay} decay would climb from the peak to it; set lr_schedule.min_lr at or "
+            f"below optimizer.lr (e.g. --lr_schedule.min_lr {peak_lr / 10:g}, a tenth of it)")
+
+
+def describe_lr_schedule(cfg: LRScheduleConfig, peak_lr: float, total_steps: int) -> str:
+    """The schedule in words for the start-up line: peak, floor, warm-up, shape; and a warning
+    when the warm-up covers the whole run (the peak is never reached)."""
+    floor = "" if cfg.decay == "constant" else f" to {cfg.min_lr:g}"
+    text = (f"lr {peak_lr:g}{floor} ({cfg.decay}), {cfg.warmup_steps} warm-up step"
+            f"{'s' * (cfg.warmup_steps != 1)}")
+    if cfg.warmup_steps >= total_steps:
+        text += (f" (the warm-up covers all {total_steps} steps: the learning rate never reaches "
+                 "its peak; lower lr_schedule.warmup_steps)")
+    return text
 
 
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: LRScheduleConfig,

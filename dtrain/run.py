@@ -40,7 +40,7 @@ from dtrain.metrics import MetricsLogger, StepMetrics
 from dtrain.models.grouped_gemm import ExpertWeightCasts
 from dtrain.models.moe import GroupedExperts
 from dtrain.nonfinite import NonFiniteSteps
-from dtrain.optim import build_lr_scheduler, build_optimizer
+from dtrain.optim import build_lr_scheduler, build_optimizer, describe_lr_schedule
 from dtrain.parallel.compile import inductor_options
 from dtrain.parallel.expert import MoEStats, moe_layers
 from dtrain.parallel.fp8 import (
@@ -319,7 +319,8 @@ class Run:
                     f"{str(self.compute_dtype).removeprefix('torch.')} compute")
         logger.info(f"batch: {self.global_batch} sequences x {tcfg.seq_len} tokens = micro "
                     f"{tcfg.micro_batch_size} x dp {dims.dp} x accum {self.grad_accum} | "
-                    f"{tcfg.steps} steps | lr {cfg.optimizer.lr:g} ({cfg.lr_schedule.decay})")
+                    f"{tcfg.steps} steps | "
+                    + describe_lr_schedule(cfg.lr_schedule, cfg.optimizer.lr, tcfg.steps))
         logger.info(f"run folder: {self.run_dir} (config.toml: the resolved config)")
         for line in self._feature_lines():
             logger.info(f"  {line}")

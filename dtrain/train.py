@@ -19,7 +19,7 @@ from dtrain.trainer import Trainer
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m dtrain.train", add_help=False,
+        prog=_invoked_as(), add_help=False,
         description="Train a model from a recipe; any config field can be overridden with "
                     "--section.key value.")
     parser.add_argument("--recipe",
@@ -36,8 +36,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-h", "--help", action="store_true", help="show every config field")
     known, overrides = parser.parse_known_args(argv)
     if known.help:
-        parser.print_help()
-        print("\nconfig fields:\n" + help_text())
+        try:
+            parser.print_help()
+            print("\nconfig fields:\n" + help_text(), flush=True)
+        except BrokenPipeError:  # `--help | head` closed the pipe: what it read was enough
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     try:
         config = load_config(known.recipe, overrides)
@@ -69,6 +72,14 @@ def main(argv: list[str] | None = None) -> int:
                   f"last checkpoint (exit code {EXIT_INTERRUPTED})", file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
     return 0
+
+
+def _invoked_as() -> str:
+    """The command as the user typed it: ``dtrain-train`` (the installed script) or
+    ``python -m dtrain.train``."""
+    name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    return name if name and not name.endswith(".py") and name != "-c" else \
+        "python -m dtrain.train"
 
 
 if __name__ == "__main__":

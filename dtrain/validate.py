@@ -14,6 +14,7 @@ import torch
 
 from dtrain.build import batch_arithmetic, model_args_of
 from dtrain.config import Config, ConfigError, check_ranges
+from dtrain.optim import check_lr_schedule
 from dtrain.parallel.context import check_cp
 from dtrain.parallel.dims import ParallelDims
 from dtrain.parallel.expert import check_ep
@@ -56,6 +57,7 @@ def validate(cfg: Config, world_size: int, device: torch.device | None) -> Paral
         check_pipeline(pcfg.pp_schedule, dims.pp, pcfg.pp_virtual_stages, microbatches,
                        cfg.compile.enabled)
         parse_layout(pcfg.pp_layout, args.n_layers, dims.pp * pcfg.pp_virtual_stages)
+    check_lr_schedule(cfg.lr_schedule, cfg.optimizer.lr)
     _check_validation(cfg, dims)
     if cfg.fp8.enabled:
         check_fp8(cfg.fp8, device, dims.tp)

@@ -4,6 +4,7 @@ import fcntl
 import os
 import pty
 import re
+import shutil
 import struct
 import subprocess
 import sys
@@ -51,6 +52,34 @@ def test_help_lists_config_fields(cli):
     result = cli(["--help"])
     assert result.returncode == 0
     assert "--optimizer.lr (float" in result.stdout and "Peak learning rate" in result.stdout
+
+
+@pytest.mark.parametrize("command", [[sys.executable, "-m", "dtrain.train"], ["dtrain-train"]])
+def test_help_into_a_pipe_that_closes_early_ends_quietly_and_names_the_command(command):
+    if command == ["dtrain-train"] and shutil.which("dtrain-train") is None:
+        pytest.skip("dtrain-train is installed by pip install -e . (CI does)")
+    # `| head -1`: the reader closes the pipe after one line, the help goes on writing.
+    help_ = subprocess.Popen([*command, "--help"], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, cwd=ROOT,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)})
+    first = help_.stdout.readline().decode()
+    help_.stdout.close()
+    assert help_.wait(timeout=60) == 0
+    assert help_.stderr.read() == b""
+    shown = "dtrain-train" if command == ["dtrain-train"] else "python -m dtrain.train"
+    assert first.startswith(f"usage: {shown} [--recipe RECIPE]")
+
+
+def test_planner_help_gives_every_option_a_text_and_its_default():
+    result = subprocess.run([sys.executable, "-m", "dtrain.plan", "--help"], capture_output=True,
+                            text=True, cwd=ROOT)
+    text = " ".join(result.stdout.split())
+    for option, default in [("--gpus-per-node GPUS_PER_NODE GPUs per machine", "8"),
+                            ("--gpu-memory-gb GPU_MEMORY_GB memory of one GPU", "80.0"),
+                            ("--seq-len SEQ_LEN tokens per sequence", "8192"),
+                            ("--top TOP layouts to print", "10")]:
+        assert option in text and f"(default: {default})" in text.split(option)[1][:300], option
+    assert "--gpus GPUS GPUs in the whole job" in text
 
 
 def rank_errors(tmp_path, args: list[str]) -> tuple[list[list[str]], str]:

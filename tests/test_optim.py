@@ -8,6 +8,7 @@ import torch
 from dtrain.config import LRScheduleConfig, OptimizerConfig
 from dtrain.models import build
 from dtrain.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, lr_factor
+from dtrain.train import main
 
 PEAK = 1e-3
 
@@ -111,3 +112,26 @@ def test_fused_adamw_takes_the_clip_inside_its_step(max_norm):
     # the two round differently in the last bit; fp32 rounding over 3 steps stays below 1e-6.
     for fused, foreach in zip(*results, strict=True):
         torch.testing.assert_close(fused, foreach, rtol=1e-6, atol=1e-7)
+
+
+def test_a_floor_above_the_peak_is_refused_naming_both(capsys):
+    # The debug recipe's min_lr is 3e-4: a peak of 1e-4 would make the "decay" climb to 3x it.
+    assert main(["--recipe", "debug", "--optimizer.lr", "1e-4", "--dry-run",
+                 "--dry-run-world-size", "1"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: lr_schedule.min_lr = 0.0003 is above optimizer.lr = 0.0001: the cosine decay "
+        "would climb from the peak to it; set lr_schedule.min_lr at or below optimizer.lr (e.g. "
+        "--lr_schedule.min_lr 1e-05, a tenth of it)"]
+
+
+def test_the_start_line_shows_peak_floor_and_warm_up_and_a_warm_up_longer_than_the_run(
+        tmp_path, capsys):
+    from dtrain import Trainer, load_config
+
+    Trainer(load_config("debug", {"training.steps": 20, "model.n_layers": 1,
+                                  "job.output_dir": str(tmp_path)}))
+    line = next(line for line in capsys.readouterr().out.splitlines()
+                if line.startswith("batch: "))
+    assert line.endswith("| 20 steps | lr 0.003 to 0.0003 (cosine), 20 warm-up steps (the "
+                         "warm-up covers all 20 steps: the learning rate never reaches its peak; "
+                         "lower lr_schedule.warmup_steps)")

@@ -202,14 +202,17 @@ def _row(rank: int, cand: Candidate, reason: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m dtrain.plan",
+        prog="python -m dtrain.plan", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="Rank the parallel layouts of a model on a cluster by predicted step time, "
                     "with predicted memory per GPU and MFU (no GPU needed).")
     parser.add_argument("--model", required=True, help=f"preset: {', '.join(PRESETS)}")
-    parser.add_argument("--gpus", type=int, required=True)
-    parser.add_argument("--gpus-per-node", type=int, default=8)
-    parser.add_argument("--gpu-memory-gb", type=float, default=80.0)
-    parser.add_argument("--seq-len", type=int, default=8192)
+    parser.add_argument("--gpus", type=int, required=True, help="GPUs in the whole job")
+    parser.add_argument("--gpus-per-node", type=int, default=8,
+                        help="GPUs per machine (NVLink inside, the network between)")
+    parser.add_argument("--gpu-memory-gb", type=float, default=80.0,
+                        help="memory of one GPU; a layout whose predicted peak exceeds its "
+                             "usable part is excluded")
+    parser.add_argument("--seq-len", type=int, default=8192, help="tokens per sequence")
     parser.add_argument("--global-batch", type=int, required=True,
                         help="sequences per optimizer step")
     parser.add_argument("--top", type=int, default=10, help="layouts to print")
