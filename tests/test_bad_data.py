@@ -106,3 +106,14 @@ def test_hf_data_file_deleted_mid_run_names_the_file_and_the_fix(tmp_path):
         f"error: data file {path} could not be read during the run (No such file or "
         "directory): it was moved or deleted; restore it and run the same command again (it "
         "resumes from the latest checkpoint when checkpointing is on)"]
+
+
+def test_a_csv_given_to_the_text_source_is_refused_naming_the_hf_source(train, tmp_path):
+    table = tmp_path / "corpus.csv"
+    table.write_text("id,text\n" + "".join(f'{i},"document {i}"\n' for i in range(50)))
+    assert error_line(train(table)) == (
+        f"error: data.path = {str(table)!r} is a .csv table, which the text source would read "
+        "as plain text (headers, separators and quotes included): set data.source = 'hf', "
+        "which reads its columns, and data.text_field to the column that holds the text")
+    result = train(table, "--data.source", "hf")  # the fix the line names trains
+    assert result.returncode == 0, result.stderr[-2000:]

@@ -11,10 +11,19 @@ from pathlib import Path
 
 from dtrain.config import ConfigError
 
+TABULAR = (".csv", ".parquet", ".arrow")
+"""Table formats the hf source reads by column: as plain text they would train on headers,
+separators and quotes."""
+
 
 def read_documents(path: Path, text_field: str) -> Iterator[str]:
     """Documents from a JSON-lines file (``text_field`` of each line; .gz allowed) or a plain
-    text file (one document)."""
+    text file (one document). A table (``TABULAR``) is refused, naming the hf source."""
+    if tabular := next((s for s in path.suffixes if s in TABULAR), None):
+        raise ConfigError(f"data.path = {str(path)!r} is a {tabular} table, which the text "
+                          "source would read as plain text (headers, separators and quotes "
+                          "included): set data.source = 'hf', which reads its columns, and "
+                          f"data.text_field to the column that holds the text")
     if ".jsonl" in path.suffixes or ".json" in path.suffixes:
         for line_no, row in json_rows(path, text_field):
             if text_field not in row:
