@@ -301,6 +301,7 @@ class Checkpointer(StepHook):
         start = time.perf_counter()
         steps = checkpoint_steps(self.folder)
         step = self._load(steps)
+        self.saved_step = step  # that step's checkpoint exists
         if step:
             logger.info(f"checkpoint step {step} loaded in {time.perf_counter() - start:.2f}s"
                         + (" without verifying its files (checkpoint.load_unverified)"
