@@ -18,9 +18,7 @@ it (a run from a torchao or bf16 checkpoint starts TE's afresh).
 from __future__ import annotations
 
 import contextlib
-import io
 import json
-import os
 import re
 import shutil
 import time
@@ -36,7 +34,6 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
@@ -49,19 +46,23 @@ from dtrain.checkpoint_files import (
     describe_write_error,
     free_bytes,
     hashing_writer,
-    leaves,
     state_bytes,
     verify_hashes,
     write_hashes,
 )
+from dtrain.checkpoint_state import (
+    finite_state,
+    model_state,
+    restorable_extra,
+    rng_state,
+    set_rng_state,
+    with_extra,
+)
 from dtrain.config import CheckpointConfig, ConfigError
-from dtrain.dtensor import local
 from dtrain.hooks import StepHook
 from dtrain.log import logger
-from dtrain.models.llama import canonical_name
 
 _STEP = re.compile(r"^step-(\d+)$")
-EXTRA_STATE = "_extra_state"  # nn.Module's key for get_extra_state()
 # How a write that failed reaches us: DCP's exception wrapping each rank's (every rank gets it),
 # an OSError (ENOSPC, EIO, ...), or torch's file writer's RuntimeError after a short write.
 WRITE_ERRORS = (CheckpointException, OSError, RuntimeError)
@@ -86,6 +87,11 @@ def checkpoint_steps(folder: Path) -> list[int]:
     if not folder.is_dir():
         return []
     return sorted(int(m.group(1)) for p in folder.iterdir() if (m := _STEP.match(p.name)))
+
+
+def resumable(cfg: CheckpointConfig, run_dir: Path) -> bool:
+    """Whether a run with ``cfg`` in ``run_dir`` will resume from a checkpoint there."""
+    return cfg.enabled and bool(checkpoint_steps(checkpoint_folder(cfg, run_dir)))
 
 
 def checkpoint_folder(cfg: CheckpointConfig, run_dir: Path) -> Path:
@@ -327,11 +333,11 @@ class Checkpointer(StepHook):
         check_keys(state, path, f"checkpoint {path}", fix)
         if not self.cfg.load_unverified:
             verify_hashes(path, f"checkpoint {path}")
-        self._check_data_settings(path)
+        check_data_settings(path, self.data_settings, self.cfg.reset_data_position)
         # Generator states are per rank: restored only when this rank's state was saved (the
         # same world size); otherwise the run keeps its seeded generators.
         saved = _saved_keys(path)
-        extra = _restorable_extra(state, saved, self.model)
+        extra = restorable_extra(state, saved, self.model)
         saved_rng = f"train.rng.rank{self.rank}" in saved
         if not saved_rng:
             del state["train"]["rng"]
@@ -341,7 +347,7 @@ class Checkpointer(StepHook):
         else:
             self._check_streams(path, saved)
         read_checkpoint(state, path, f"checkpoint {path}", fix, verify=False)
-        set_model_state_dict(self.model, _with_extra(state, extra))
+        set_model_state_dict(self.model, with_extra(state, extra))
         set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["train"]["scheduler"])
         if not self.cfg.reset_data_position:
@@ -361,32 +367,6 @@ class Checkpointer(StepHook):
                 "resumes only under the same data-parallel degree; run with that degree, or "
                 "use data.source = 'indexed' (which resumes under any)")
 
-    def _check_data_settings(self, path: Path) -> None:
-        """Refuses a resume whose data settings differ from the checkpoint's: its saved data
-        position would index other windows. ``cfg.reset_data_position`` starts the data
-        from its beginning instead (said in one line)."""
-        saved_text = {"train": {"data_settings": ""}}
-        if "train.data_settings" not in _saved_keys(path):
-            logger.warning(f"checkpoint {path} has no record of its data settings (written by "
-                           "an older dtrain): the data position is resumed unchecked")
-            return
-        read_checkpoint(saved_text, path, f"checkpoint {path}", "", verify=False)
-        saved = json.loads(saved_text["train"]["data_settings"])
-        changed = [k for k in sorted(set(saved) | set(self.data_settings))
-                   if saved.get(k) != self.data_settings.get(k)]
-        if not changed:
-            return
-        if self.cfg.reset_data_position:
-            logger.info(f"checkpoint.reset_data_position: the data starts from its beginning "
-                        f"({', '.join(changed)} changed since the checkpoint)")
-            return
-        listed = "; ".join(f"{k} was {saved.get(k)!r} and is now {self.data_settings.get(k)!r}"
-                           for k in changed)
-        raise ConfigError(f"checkpoint {path}: the data settings changed since it was saved "
-                          f"({listed}), so its saved data position would index other data: "
-                          "set them back, or set checkpoint.reset_data_position = true to "
-                          "start the data from its beginning")
-
     def _move_aside(self, later: list[int], step: int) -> None:
         """The checkpoints after the resumed ``step`` (a branch the user left) moved into a
         folder of their own: kept, but no longer resumed from nor rotated."""
@@ -404,21 +384,32 @@ class Checkpointer(StepHook):
                        f"from step {step}")
 
 
-def rng_state() -> torch.Tensor:
-    """This process's CPU generator state, followed by the current CUDA device's when there is
-    one, as one byte tensor."""
-    states = [torch.get_rng_state()]
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        states.append(torch.cuda.get_rng_state())
-    return torch.cat(states)
-
-
-def set_rng_state(state: torch.Tensor) -> None:
-    """Restores what ``rng_state`` returned."""
-    cpu = torch.get_rng_state().numel()
-    torch.set_rng_state(state[:cpu].clone())
-    if state.numel() > cpu and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state[cpu:].clone())
+def check_data_settings(path: Path, settings: dict[str, str], reset: bool) -> None:
+    """Refuses a resume whose data ``settings`` differ from those saved in the checkpoint at
+    ``path``: its data position would index other windows. ``reset``
+    (``checkpoint.reset_data_position``) starts the data from its beginning instead, in one
+    line."""
+    saved_text = {"train": {"data_settings": ""}}
+    if "train.data_settings" not in _saved_keys(path):
+        logger.warning(f"checkpoint {path} has no record of its data settings (written by "
+                       "an older dtrain): the data position is resumed unchecked")
+        return
+    read_checkpoint(saved_text, path, f"checkpoint {path}", "", verify=False)
+    saved = json.loads(saved_text["train"]["data_settings"])
+    changed = [k for k in sorted(set(saved) | set(settings))
+               if saved.get(k) != settings.get(k)]
+    if not changed:
+        return
+    if reset:
+        logger.info(f"checkpoint.reset_data_position: the data starts from its beginning "
+                    f"({', '.join(changed)} changed since the checkpoint)")
+        return
+    listed = "; ".join(f"{k} was {saved.get(k)!r} and is now {settings.get(k)!r}"
+                       for k in changed)
+    raise ConfigError(f"checkpoint {path}: the data settings changed since it was saved "
+                      f"({listed}), so its saved data position would index other data: "
+                      "set them back, or set checkpoint.reset_data_position = true to "
+                      "start the data from its beginning")
 
 
 def _saved_keys(path: Path) -> set[str]:
@@ -435,62 +426,11 @@ def load_model_weights(parts: list[nn.Module], path: str | Path) -> None:
     imported HF model, or a training checkpoint whose optimizer state is left out)."""
     model = whole_model_view(parts)
     state = model_state(model)
-    extra = _restorable_extra(state, _saved_keys(Path(path)), model)
+    extra = restorable_extra(state, _saved_keys(Path(path)), model)
     read_checkpoint(state, path, f"checkpoint.initial_weights = {str(path)!r}",
                     "Give a checkpoint of this model's shape (made by tools/convert_hf.py "
                     "import or by a dtrain run)")
-    set_model_state_dict(model, _with_extra(state, extra))
-
-
-def model_state(model: nn.Module) -> dict[str, Any]:
-    """``{"model": ...}`` without the modules' tensor extra states, and ``{"fp8_meta": ...}``
-    with them as bytes where the model has any (Transformer Engine's linears)."""
-    full = get_model_state_dict(model)
-    extra = {k: v for k, v in full.items()
-             if k.endswith(EXTRA_STATE) and isinstance(v, torch.Tensor)}
-    state: dict[str, Any] = {"model": {k: v for k, v in full.items() if k not in extra}}
-    if extra:
-        state["fp8_meta"] = {k: io.BytesIO(v.detach().cpu().contiguous().view(torch.uint8)
-                                           .numpy().tobytes()) for k, v in extra.items()}
-    return state
-
-
-# Transformer Engine unpickles its delayed-scaling state only when this is set (a pickle can run
-# code: for checkpoints one trusts); without it a resume keeps TE's fresh scaling state.
-TE_PICKLE = "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE"
-
-
-def _restorable_extra(state: dict[str, Any], saved: set[str],
-                      model: nn.Module) -> dict[str, bytes]:
-    """Takes ``fp8_meta`` out of ``state`` (as ``model_state`` made it for this model) and puts
-    back only the entries the checkpoint has, to be read; returns the model's own extra states,
-    which stand in for the others (a checkpoint of another backend, or of bf16). Transformer
-    Engine's are read only under ``NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1`` (TE refuses them
-    otherwise); without it one line says that TE's scaling starts afresh."""
-    own = {k: v.getvalue() for k, v in state.pop("fp8_meta", {}).items()}
-    wanted = {k: io.BytesIO() for k in own if f"fp8_meta.{k}" in saved}
-    te_modules = {canonical_name(name) for name, module in model.named_modules()
-                  if type(module).__module__.startswith("transformer_engine")}
-    te = [k for k in wanted if k.rpartition(".")[0] in te_modules]
-    if te and os.environ.get(TE_PICKLE) != "1":
-        logger.warning(f"checkpoint: Transformer Engine's FP8 scaling state of {len(te)} layers "
-                       f"not restored (TE reads it only with {TE_PICKLE}=1, for checkpoints you "
-                       "trust); their scales start afresh")
-        for k in te:
-            del wanted[k]
-    if wanted:
-        state["fp8_meta"] = wanted
-    return own
-
-
-def _with_extra(state: dict[str, Any], own: dict[str, bytes]) -> dict[str, Any]:
-    """The ``model`` entry with every extra state of the model: read from the checkpoint where
-    it was, the model's own elsewhere (uint8 tensors, as Transformer Engine serialises them)."""
-    read = {k: v.getvalue() for k, v in state.get("fp8_meta", {}).items()}
-    extra = {k: torch.frombuffer(bytearray(data), dtype=torch.uint8) if data
-             else torch.empty(0, dtype=torch.uint8)
-             for k, data in ((k, read.get(k, value)) for k, value in own.items())}
-    return {**state["model"], **extra}
+    set_model_state_dict(model, with_extra(state, extra))
 
 
 def read_checkpoint(state: dict[str, Any], path: str | Path, what: str, fix: str,
@@ -506,17 +446,6 @@ def read_checkpoint(state: dict[str, Any], path: str | Path, what: str, fix: str
             dcp.load(state, checkpoint_id=str(path))
     except (Exception, CheckpointException) as e:  # DCP raises many types, some BaseException
         raise ConfigError(f"{what} cannot be loaded: {_first_line(e)}. {fix}") from None
-
-
-def finite_state(state: dict[str, Any]) -> bool:
-    """Whether every floating-point tensor (local shard) of ``state`` is finite: one reduction
-    on the device per dtype, read once."""
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for t in leaves(state):
-        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel():
-            by_device.setdefault(local(t).device, []).append(local(t))
-    return all(bool(torch.stack([n.float() for n in torch._foreach_norm(ts, ord=float("inf"))])
-                    .isfinite().all()) for ts in by_device.values())
 
 
 @contextlib.contextmanager

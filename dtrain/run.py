@@ -26,12 +26,7 @@ from dtrain.build import (
     local_device,
     world_size,
 )
-from dtrain.checkpoint import (
-    Checkpointer,
-    checkpoint_folder,
-    checkpoint_steps,
-    load_model_weights,
-)
+from dtrain.checkpoint import Checkpointer, load_model_weights, resumable
 from dtrain.config import Config
 from dtrain.errors import Preempted
 from dtrain.hooks import Hooks, StepHook
@@ -97,19 +92,13 @@ class Run:
         # Host-side agreements (preemption, checkpoint checks) over CPU tensors: no device sync.
         self.cpu_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout)) \
             if self.world_size > 1 else None
-        ckpt = cfg.checkpoint
-        self.folder = RunFolder.claim(
-            self.run_dir, resuming=ckpt.enabled and bool(checkpoint_steps(
-                checkpoint_folder(ckpt, self.run_dir))),
-            overwrite=cfg.job.overwrite, rank=self.rank, group=self.cpu_group)
+        self.folder = RunFolder.claim(self.run_dir, resumable(cfg.checkpoint, self.run_dir),
+                                      cfg.job.overwrite, self.rank, self.cpu_group)
         if self.rank == 0:
             forget_preemption(self.run_dir)
         self.mesh = self.dims.build_mesh(device.type) if self.world_size > 1 else None
-        tcfg = cfg.training
-        self.watchdog = HangWatchdog(tcfg.hang_timeout_s, self.run_dir, self.rank,
-                                     startup_timeout_s=tcfg.startup_timeout_s,
-                                     save_timeout_s=tcfg.save_timeout_s)
-        self.preemption = Preemption(self.cpu_group, interrupt=ckpt.enabled)
+        self.watchdog = HangWatchdog.for_training(cfg.training, self.run_dir, self.rank)
+        self.preemption = Preemption(self.cpu_group, interrupt=cfg.checkpoint.enabled)
         self.global_batch, self.grad_accum = batch_arithmetic(cfg.training, self.dims.dp)
         self.tokens_per_step = self.global_batch * cfg.training.seq_len
         torch.manual_seed(cfg.training.seed)

@@ -53,7 +53,10 @@ def main(argv: list[str] | None = None) -> int:
             print(dry_run(config, known.dry_run_world_size or None, known.dry_run_rank).format())
             return 0
         trainer = Trainer(config)
-        trainer.train()
+        try:
+            trainer.train()
+        finally:  # however the run ends, the run folder is free for the next one at once
+            trainer.folder.release()
         trainer.close()
     except (ConfigError, FileNotFoundError) as e:
         # Every rank: most errors are found before the process group exists, by each rank alike;

@@ -160,6 +160,13 @@ class HangWatchdog:
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
 
+    @classmethod
+    def for_training(cls, training: TrainingConfig, run_dir: Path, rank: int) -> HangWatchdog:
+        """The watchdog of a run with the allowances of its ``[training]`` section."""
+        return cls(training.hang_timeout_s, run_dir, rank,
+                   startup_timeout_s=training.startup_timeout_s,
+                   save_timeout_s=training.save_timeout_s)
+
     def start(self, step: int) -> None:
         """Training starts (again) at ``step``: the next ``STARTUP_STEPS`` steps are start-up."""
         self._steady_from = step + STARTUP_STEPS

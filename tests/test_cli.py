@@ -141,7 +141,8 @@ def test_a_run_starts_with_a_short_summary_and_ends_with_one_line(cli, tmp_path)
     assert re.fullmatch(rf"done: 6 steps in 0:\d\d:\d\d \| final loss \d+\.\d{{4}} \| outputs in "
                         rf"{re.escape(str(run))}: checkpoints/, config\.toml, metrics\.jsonl, "
                         r"tb/", done), done
-    assert done.split("final loss ")[1].split()[0] in lines[-2]  # step 6's loss
+    last_step = next(line for line in lines if line.startswith("step 6/6 "))
+    assert done.split("final loss ")[1].split()[0] in last_step  # step 6's loss
 
 
 def test_a_terminal_gets_a_progress_bar_between_the_log_lines(tmp_path):

@@ -46,7 +46,8 @@ def test_layout_matches_single_process(tmp_path, reference, nproc, layouts):
 def test_activation_checkpointing_single_process_is_exact(tmp_path, reference):
     for mode in ("full", "op"):
         history = Trainer(load_config("debug", {
-            **BASE, "activation_checkpoint.mode": mode, "job.output_dir": str(tmp_path)})).train()
+            **BASE, "activation_checkpoint.mode": mode,
+            "job.output_dir": str(tmp_path / mode)})).train()
         assert [r["loss"] for r in history] == [r["loss"] for r in reference], mode
 
 

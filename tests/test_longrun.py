@@ -26,7 +26,13 @@ from distributed_runner import poison_gradient
 from dtrain import Trainer, load_config
 from dtrain.checkpoint import checkpoint_steps
 from dtrain.config import ConfigError
-from dtrain.errors import EXIT_HANG, EXIT_NONFINITE, EXIT_PREEMPTED, Preempted
+from dtrain.errors import (
+    EXIT_HANG,
+    EXIT_NONFINITE,
+    EXIT_PREEMPTED,
+    CheckpointNotSaved,
+    Preempted,
+)
 
 SMALL = ["--recipe", "debug", "--model.n_layers", "2", "--training.seq_len", "64",
          "--training.global_batch_size", "4", "--training.micro_batch_size", "1",
@@ -219,7 +225,8 @@ def disk_trainer(folder, steps: int, **overrides) -> Trainer:
 
 def test_too_little_free_space_skips_the_save_and_keeps_the_previous(small_disk, capsys):
     trainer = disk_trainer(small_disk / "ckpt", 4)
-    trainer.train()
+    with pytest.raises(CheckpointNotSaved):  # step 4 was the last: the run does not succeed
+        trainer.train()
     assert checkpoint_steps(small_disk / "ckpt") == [2]
     line = next(line for line in capsys.readouterr().out.splitlines() if "not saved" in line)
     assert line.startswith(f"checkpoint step 4 not saved: {small_disk / 'ckpt'} has ")
@@ -231,7 +238,8 @@ def test_a_write_that_fills_the_disk_removes_its_partial_files(small_disk, capsy
                                                                 monkeypatch):
     # The free-space check believes the disk has room: the write itself meets ENOSPC.
     monkeypatch.setattr("dtrain.checkpoint.free_bytes", lambda folder: 2**40)
-    disk_trainer(small_disk / "ckpt", 4).train()
+    with pytest.raises(CheckpointNotSaved):
+        disk_trainer(small_disk / "ckpt", 4).train()
     assert sorted(p.name for p in (small_disk / "ckpt").iterdir()) == ["step-0000002"]
     line = next(line for line in capsys.readouterr().out.splitlines() if "not saved" in line)
     assert "writing" in line and "failed" in line and "partial files were removed" in line
@@ -297,7 +305,9 @@ def test_a_resumed_run_logs_each_step_once(tmp_path):
 def test_streamed_data_resumed_on_more_ranks_is_refused_by_name(tmp_path):
     hf = {**BASE, "data.source": "hf", "training.steps": 4, "checkpoint.enabled": True,
           "checkpoint.interval": 2, "job.output_dir": str(tmp_path)}
-    Trainer(load_config("debug", hf)).train(until=2)
+    first = Trainer(load_config("debug", hf))
+    first.train(until=2)
+    first.close()  # gives the run folder to the launch below
     args = [f"--{key}={value}" for key, value in hf.items()]
     process = torchrun(["--recipe", "debug", *args])
     out, err = process.communicate(timeout=300)

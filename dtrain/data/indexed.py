@@ -164,35 +164,8 @@ def open_index(idx_path: Path, bin_path: Path
     are scanned ``_CHECK_BLOCK`` entries at a time with numpy, so an index of billions of
     entries costs one read of the file and temporaries of one block. A failure is a ConfigError
     naming the file, the first bad entry, its value, the value expected and the fix."""
-    idx_size, bin_size = idx_path.stat().st_size, bin_path.stat().st_size
-    with open(idx_path, "rb") as f:
-        header = f.read(HEADER_BYTES)
-    if not INDEX_MAGIC.startswith(header[:len(INDEX_MAGIC)]):
-        raise ConfigError(f"{idx_path} is not a Megatron MMIDIDX index (it starts with "
-                          f"{header[:9]!r}); {_REWRITE}")
-    if len(header) < HEADER_BYTES:
-        raise ConfigError(f"{idx_path} is truncated ({idx_size} bytes, the header alone is "
-                          f"{HEADER_BYTES}); {_REWRITE}")
-    version, code, count, doc_count = struct.unpack("<QBQQ", header[9:])
-    if version != INDEX_VERSION:
-        raise ConfigError(f"{idx_path} has index version {version} (only version "
-                          f"{INDEX_VERSION} exists); {_REWRITE}")
-    if code not in DTYPE_CODES:
-        raise ConfigError(f"{idx_path} has unknown dtype code {code} (known: "
-                          f"{', '.join(map(str, DTYPE_CODES))}); {_REWRITE}")
-    needed = HEADER_BYTES + 12 * count + 8 * doc_count
-    if idx_size != needed:
-        state = "is truncated" if idx_size < needed else "holds more than its header describes"
-        # Megatron's multimodal indices append one mode byte per sequence.
-        modes = (", one byte per sequence more: a multimodal index, which dtrain does not read"
-                 if count and idx_size == needed + count else "")
-        raise ConfigError(f"{idx_path} {state}: {count} sequences and {doc_count} document "
-                          f"indices take {needed} bytes, the file has {idx_size}{modes}; "
-                          f"{_REWRITE}")
-    if doc_count == 0:
-        raise ConfigError(f"{idx_path} has no document indices (Megatron writes at least the "
-                          f"leading 0); {_REWRITE}")
-    dtype = DTYPE_CODES[code]
+    bin_size = bin_path.stat().st_size
+    dtype, count, doc_count = _read_header(idx_path)
     raw = np.memmap(idx_path, dtype=np.uint8, mode="r")
     lengths = np.frombuffer(raw, "<i4", count, HEADER_BYTES)
     pointers = np.frombuffer(raw, "<i8", count, HEADER_BYTES + 4 * count)
@@ -225,6 +198,47 @@ def open_index(idx_path: Path, bin_path: Path
         raise ConfigError(f"{bin_path} holds {bin_size} bytes, more than the {end} its index "
                           f"{idx_path.name} describes: the two files do not belong together; "
                           f"{_REWRITE}")
+    _check_documents(idx_path, documents, count)
+    return dtype, lengths, pointers, documents
+
+
+def _read_header(idx_path: Path) -> tuple[np.dtype, int, int]:
+    """The token dtype, sequence count and document-index count of an index whose header and
+    size are what Megatron writes."""
+    idx_size = idx_path.stat().st_size
+    with open(idx_path, "rb") as f:
+        header = f.read(HEADER_BYTES)
+    if not INDEX_MAGIC.startswith(header[:len(INDEX_MAGIC)]):
+        raise ConfigError(f"{idx_path} is not a Megatron MMIDIDX index (it starts with "
+                          f"{header[:9]!r}); {_REWRITE}")
+    if len(header) < HEADER_BYTES:
+        raise ConfigError(f"{idx_path} is truncated ({idx_size} bytes, the header alone is "
+                          f"{HEADER_BYTES}); {_REWRITE}")
+    version, code, count, doc_count = struct.unpack("<QBQQ", header[9:])
+    if version != INDEX_VERSION:
+        raise ConfigError(f"{idx_path} has index version {version} (only version "
+                          f"{INDEX_VERSION} exists); {_REWRITE}")
+    if code not in DTYPE_CODES:
+        raise ConfigError(f"{idx_path} has unknown dtype code {code} (known: "
+                          f"{', '.join(map(str, DTYPE_CODES))}); {_REWRITE}")
+    needed = HEADER_BYTES + 12 * count + 8 * doc_count
+    if idx_size != needed:
+        state = "is truncated" if idx_size < needed else "holds more than its header describes"
+        # Megatron's multimodal indices append one mode byte per sequence.
+        modes = (", one byte per sequence more: a multimodal index, which dtrain does not read"
+                 if count and idx_size == needed + count else "")
+        raise ConfigError(f"{idx_path} {state}: {count} sequences and {doc_count} document "
+                          f"indices take {needed} bytes, the file has {idx_size}{modes}; "
+                          f"{_REWRITE}")
+    if doc_count == 0:
+        raise ConfigError(f"{idx_path} has no document indices (Megatron writes at least the "
+                          f"leading 0); {_REWRITE}")
+    return DTYPE_CODES[code], count, doc_count
+
+
+def _check_documents(idx_path: Path, documents: np.ndarray, count: int) -> None:
+    """Document indices start at 0, never decrease and end at the sequence count."""
+    doc_count = len(documents)
 
     def bad_documents(start: int, stop: int) -> np.ndarray:
         values = documents[start:stop]
@@ -239,7 +253,7 @@ def open_index(idx_path: Path, bin_path: Path
     elif documents[-1] != count:
         i, problem = doc_count - 1, f"expected {count}, the sequence count, as the last index"
     else:
-        return dtype, lengths, pointers, documents
+        return
     raise ConfigError(f"index {idx_path}, document index {i}: {documents[i]} ({problem}); "
                       f"{_REWRITE}")
 
