@@ -1,3 +1,4 @@
+import contextlib
 import json
 import os
 import re
@@ -104,6 +105,13 @@ def strict_records(run_dir) -> list[dict]:
             for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def start_cli(args: list[str]) -> subprocess.Popen:
+    """``python -m dtrain.train ARGS`` in one process in the background, its output piped."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([sys.executable, "-m", "dtrain.train", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+
+
 def torchrun(args: list[str], nproc: int = 2, launch: tuple[str, ...] = ("--standalone",),
              **popen) -> subprocess.Popen:
     """``torchrun LAUNCH --nproc_per_node=NPROC -m dtrain.train ARGS``, its output piped."""
@@ -142,3 +150,27 @@ def rank_pid(parent: int, rank: int) -> int:
         if f"RANK={rank}".encode() in environ:
             return int(child)
     raise AssertionError(f"no worker of rank {rank} under {parent}")
+
+
+@contextlib.contextmanager
+def tmpfs(folder: Path, options: str):
+    """A tmpfs mounted at ``folder`` (made if missing) with mount ``options`` ("size=64M",
+    "size=1M,ro"), unmounted after (lazily: a run's lock file may still be open there, and a
+    test may have stacked a second mount). Skips the test where mounting is not allowed."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs",
+                                            str(folder)]).returncode:
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        yield folder
+    finally:
+        while subprocess.run(["umount", "--lazy", str(folder)],
+                             capture_output=True).returncode == 0:
+            pass
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 64 MiB tmpfs: room for one checkpoint of the 2-block debug model (43 MB), not two."""
+    with tmpfs(tmp_path / "disk", "size=64M") as mount:
+        yield mount

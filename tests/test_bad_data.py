@@ -1,12 +1,9 @@
 """Bad data files and tokenizers end the CLI with one ``error:`` line that names the problem."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
-from conftest import ROOT, cli_args, wait_for_step
+from conftest import cli_args, start_cli, wait_for_step
 
 
 @pytest.fixture
@@ -74,13 +71,6 @@ def test_tokenizer_that_is_not_a_tokenizer_json_names_the_path(train, tmp_path):
     line = error_line(train(data, "--data.tokenizer", str(notes)))
     assert f"data.tokenizer = '{notes}' is not a HF tokenizer.json" in line
     assert "a folder holding one" in line
-
-
-def start_cli(args: list[str]) -> subprocess.Popen:
-    """``python -m dtrain.train ARGS`` in the background, its output piped."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen([sys.executable, "-m", "dtrain.train", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
 
 
 def test_hf_data_file_deleted_mid_run_names_the_file_and_the_fix(tmp_path):

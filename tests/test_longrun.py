@@ -203,18 +203,6 @@ def test_a_first_step_that_compiles_longer_than_the_hang_timeout_is_no_hang(tmp_
 
 # ---- disks and checkpoints -----------------------------------------------------------------
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 64 MiB tmpfs: room for one checkpoint of the 2-block debug model (43 MB), not two."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64M", "tmpfs",
-                                            str(mount)]).returncode:
-        pytest.skip("mounting a tmpfs needs root")
-    yield mount
-    subprocess.run(["umount", str(mount)])
-
-
 def disk_trainer(folder, steps: int, **overrides) -> Trainer:
     return Trainer(load_config("debug", {**BASE, "training.steps": steps,
                                          "checkpoint.enabled": True, "checkpoint.interval": 2,

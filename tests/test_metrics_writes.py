@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 import torch
-from conftest import BASE, strict_records
+from conftest import BASE, strict_records, tmpfs
 
 from dtrain import Trainer, load_config
 from dtrain.checkpoint import checkpoint_steps
@@ -77,15 +77,8 @@ STEPS = 16
 @pytest.fixture
 def run_disk(tmp_path):
     """A 256 KiB tmpfs mounted at the run folder (``tmp_path/out/debug``)."""
-    mount = tmp_path / "out" / "debug"
-    mount.mkdir(parents=True)
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs",
-                                            str(mount)]).returncode:
-        pytest.skip("mounting a tmpfs needs root")
-    yield mount
-    # Lazily: the run's lock file may still be open; a read-only test stacks a second mount.
-    while subprocess.run(["umount", "--lazy", str(mount)], capture_output=True).returncode == 0:
-        pass
+    with tmpfs(tmp_path / "out" / "debug", "size=256k") as mount:
+        yield mount
 
 
 def fill(disk) -> None:

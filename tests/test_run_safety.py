@@ -9,18 +9,18 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 from conftest import (
     BASE,
     REL,
-    ROOT,
     cli_args,
     rank_pid,
     run_cli,
+    start_cli,
     strict_records,
+    tmpfs,
     torchrun,
     wait_for_step,
 )
@@ -43,13 +43,6 @@ CKPT = {**BASE, "checkpoint.enabled": True, "checkpoint.interval": 2}
 def trainer(tmp_path, steps: int, **overrides) -> Trainer:
     return Trainer(load_config("debug", {**CKPT, "training.steps": steps,
                                          "job.output_dir": str(tmp_path), **overrides}))
-
-
-def start_cli(overrides: dict) -> subprocess.Popen:
-    """``python -m dtrain.train`` of the debug recipe in one process, its output piped."""
-    return subprocess.Popen([sys.executable, "-m", "dtrain.train", *cli_args(overrides)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
 
 
 def errors(stderr: str) -> list[str]:
@@ -109,7 +102,7 @@ def test_a_second_run_into_a_held_folder_is_refused_and_the_first_loses_nothing(
 
 
 def test_a_lock_left_by_a_killed_run_is_taken_over_with_one_line(tmp_path, capsys):
-    run = start_cli({**CKPT, "training.steps": 1000, "job.output_dir": str(tmp_path)})
+    run = start_cli(cli_args({**CKPT, "training.steps": 1000, "job.output_dir": str(tmp_path)}))
     wait_for_step(run, 3, [])
     run.kill()  # no cleanup: the lock file still names it
     run.communicate()
@@ -216,18 +209,6 @@ def test_reset_data_position_resumes_the_weights_and_starts_the_data_over(tmp_pa
 
 # ---- the last checkpoint -------------------------------------------------------------------
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 64 MiB tmpfs: room for one checkpoint of the 2-block debug model (43 MB), not two."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64M", "tmpfs",
-                                            str(mount)]).returncode:
-        pytest.skip("mounting a tmpfs needs root")
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)])
-
-
 def test_a_run_whose_last_checkpoint_cannot_be_written_exits_5(small_disk, tmp_path):
     result = run_cli(cli_args({**CKPT, "training.steps": 4,
                                "checkpoint.folder": str(small_disk / "ckpt"),
@@ -253,13 +234,8 @@ def test_a_full_disk_during_the_last_save_is_said_in_words(small_disk, tmp_path,
 
 @pytest.fixture
 def read_only_dir(tmp_path):
-    mount = tmp_path / "ro"
-    mount.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M,ro", "tmpfs",
-                                            str(mount)]).returncode:
-        pytest.skip("mounting a read-only tmpfs needs root")
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)])
+    with tmpfs(tmp_path / "ro", "size=1M,ro") as mount:
+        yield mount
 
 
 def test_an_output_folder_on_a_read_only_file_system_is_one_line(read_only_dir):
@@ -301,8 +277,8 @@ def test_sigterm_to_one_worker_ends_the_job_despite_torchrun_restarts(tmp_path):
 
 
 def ctrl_c_run(tmp_path, **overrides) -> tuple[subprocess.CompletedProcess, list[str]]:
-    process = start_cli({**CKPT, "training.steps": 1000, "job.output_dir": str(tmp_path),
-                         **overrides})
+    process = start_cli(cli_args({**CKPT, "training.steps": 1000,
+                                  "job.output_dir": str(tmp_path), **overrides}))
     lines = []
     wait_for_step(process, 3, lines)
     process.send_signal(signal.SIGINT)
