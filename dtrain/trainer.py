@@ -18,6 +18,7 @@ import gc
 import torch
 
 from dtrain.checkpoint import checkpoint_steps
+from dtrain.config import ConfigError
 from dtrain.errors import CheckpointNotSaved, Preempted
 from dtrain.log import Progress, logger
 from dtrain.optim import clip_grad_norm_, skip_update_if
@@ -68,14 +69,29 @@ class Trainer(Run):
 
     def evaluate(self) -> float:
         """Mean token loss over the validation batches (the same ones at every call)."""
+        if self.validator.batches is None:
+            raise ConfigError("evaluate(): this run has no held-out data: build the trainer with "
+                              "validation.enabled = true and validation.path (or the indexed "
+                              "source's valid split)")
         self.wait_for_update()
         return self.validator.evaluate()
 
     def train(self, until: int | None = None) -> list[dict[str, float]]:
         """Runs to ``training.steps`` (or stops after step ``until``: the schedule still spans
-        ``training.steps``; a later ``train()`` goes on from there); returns the logged records
-        of every ``train()`` so far (also in metrics.jsonl)."""
-        last = min(until or self.config.training.steps, self.config.training.steps)
+        ``training.steps``; a later ``train()`` goes on from there); returns this call's logged
+        records (every call's are in ``history`` and metrics.jsonl). A call with nothing left
+        to train, or an ``until`` past the last step, says so in one line."""
+        steps = self.config.training.steps
+        last = min(until or steps, steps)
+        if until is not None and until > steps:
+            logger.warning(f"train(until={until}): the run ends at training.steps = {steps}, "
+                           "the last step of its learning-rate schedule; it stops there")
+        if self.step >= last:
+            logger.warning(f"train(): nothing to train: the run is at step {self.step} "
+                           + (f"of {steps}, its last" if self.step >= steps else
+                              f"already, past until={until}"))
+            return []
+        first_record = len(self.history)
         self.metrics.start(self.step, last)
         self.watchdog.start(self.step)
         self.preemption.arm()
@@ -114,7 +130,7 @@ class Trainer(Run):
             self._check_final_checkpoint()
             if self.rank == 0:  # it lists rank 0's folder
                 logger.info(self.metrics.done_line(self.step, self.history, self.run_dir))
-        return self.history
+        return self.history[first_record:]
 
     def _check_final_checkpoint(self) -> None:
         """A run that reached its last step without that step's checkpoint (the disk filled,

@@ -51,9 +51,9 @@ def test_a_non_finite_step_changes_nothing_and_is_reported(tmp_path):
     trainer.run_step()  # step 3: NaN loss and gradients
     assert all(torch.equal(a, p) for a, p in zip(before, trainer.model.parameters(),
                                                    strict=True))
-    history = trainer.train()
+    trainer.train()
     # Step 3 ran outside train(): the next log line, step 4's, reports it.
-    assert [(r["step"], r.get("nonfinite_steps")) for r in history] == [
+    assert [(r["step"], r.get("nonfinite_steps")) for r in trainer.history] == [
         (1, None), (2, None), (4, [3]), (5, None)]
     # Four updates for five steps: AdamW's own step count skipped the poisoned one.
     assert {int(s["step"]) for s in trainer.optimizer.state.values()} == {4}

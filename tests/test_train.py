@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from dtrain import Trainer, load_config
+from dtrain.config import ConfigError
 from dtrain.trainer import manual_gc
 
 
@@ -117,7 +118,25 @@ def test_train_goes_on_after_stopping_early(tmp_path):
     reference = [r["loss"] for r in whole.train()]
     trainer = Trainer(load_config("debug", {**overrides, "job.output_dir": str(tmp_path / "b")}))
     assert [r["step"] for r in trainer.train(until=2)] == [1, 2]
-    history = trainer.train()
-    assert [r["step"] for r in history] == [1, 2, 3, 4]
-    assert [r["loss"] for r in history] == reference
+    assert [r["step"] for r in trainer.train()] == [3, 4]  # each call returns its own records
+    assert [r["step"] for r in trainer.history] == [1, 2, 3, 4]
+    assert [r["loss"] for r in trainer.history] == reference
     assert [r["step"] for r in read_metrics(tmp_path / "b" / "debug")] == [1, 2, 3, 4]
+
+
+def test_calls_past_the_end_say_so_and_evaluate_without_held_out_data_is_one_error(tmp_path,
+                                                                                   capsys):
+    trainer = Trainer(load_config("debug", {
+        "training.steps": 2, "model.n_layers": 1, "training.seq_len": 32,
+        "training.global_batch_size": 4, "metrics.tensorboard": False,
+        "metrics.log_every": 1, "job.output_dir": str(tmp_path)}))
+    assert [r["step"] for r in trainer.train(until=5)] == [1, 2]
+    assert [r["step"] for r in trainer.train()] == []
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("train(")]
+    assert said == [
+        "train(until=5): the run ends at training.steps = 2, the last step of its "
+        "learning-rate schedule; it stops there",
+        "train(): nothing to train: the run is at step 2 of 2, its last"]
+    with pytest.raises(ConfigError, match=r"^evaluate\(\): this run has no held-out data: "
+                                          "build the trainer with validation.enabled = true"):
+        trainer.evaluate()
