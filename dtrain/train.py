@@ -61,20 +61,27 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError) as e:
         # Every rank: most errors are found before the process group exists, by each rank alike;
         # a rank-local one (its data shard) is seen by that rank alone.
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        _error(str(e))
         return EXIT_BAD_INPUT
     except Preempted as e:  # the trainer logged its line
         return e.exit_code
     except RunStopped as e:  # every rank stops at the same step; rank 0 says why
         if os.environ.get("RANK", "0") == "0":
-            print(f"error: {e}", file=sys.stderr, flush=True)
+            _error(str(e))
         return e.exit_code
     except KeyboardInterrupt:  # Ctrl-C without checkpoints, or a second Ctrl-C
         if os.environ.get("RANK", "0") == "0":
-            print(f"error: interrupted (Ctrl-C): stopped at once; nothing was saved since the "
-                  f"last checkpoint (exit code {EXIT_INTERRUPTED})", file=sys.stderr, flush=True)
+            _error(f"interrupted (Ctrl-C): stopped at once; nothing was saved since the last "
+                   f"checkpoint (exit code {EXIT_INTERRUPTED})")
         return EXIT_INTERRUPTED
     return 0
+
+
+def _error(message: str) -> None:
+    """``error: message`` as one write: the ranks under torchrun share one pipe, and a line
+    written in pieces interleaves with another rank's."""
+    sys.stderr.write(f"error: {message}\n")
+    sys.stderr.flush()
 
 
 def _invoked_as() -> str:
