@@ -76,10 +76,13 @@ def test_planner_help_gives_every_option_a_text_and_its_default():
     text = " ".join(result.stdout.split())
     for option, default in [("--gpus-per-node GPUS_PER_NODE GPUs per machine", "8"),
                             ("--gpu-memory-gb GPU_MEMORY_GB memory of one GPU", "80.0"),
-                            ("--seq-len SEQ_LEN tokens per sequence", "8192"),
+                            ("--seq-len SEQ_LEN tokens per sequence", "the recipe's, else 8192"),
+                            ("--global-batch GLOBAL_BATCH sequences per optimizer step",
+                             "the recipe's"),
                             ("--top TOP layouts to print", "10")]:
         assert option in text and f"(default: {default})" in text.split(option)[1][:300], option
     assert "--gpus GPUS GPUs in the whole job" in text
+    assert "--recipe RECIPE" in text and "--layout LAYOUT" in text
 
 
 def rank_errors(tmp_path, args: list[str]) -> tuple[list[list[str]], str]:

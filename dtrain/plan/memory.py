@@ -8,7 +8,10 @@ are counted per layer and token from the tensors each checkpointing mode keeps, 
 calibrated factors (``constants.Constants``), times the micro-batches a pipeline stage holds.
 The peak is taken at the start of the backward pass (all activations, no gradients yet) or its
 end (all gradients), whichever is larger; with several micro-batches per step the gradients
-live through the whole step.
+live through the whole step. Under a pipeline with FSDP, torch's pipelining skips the
+reduce-scatter and the reshard after every backward but the step's last, so each FSDP unit of
+the rank stays gathered after its first backward and keeps an unsharded fp32 gradient
+accumulator until the step's end (``fsdp_groups``, counted in the buffers).
 """
 
 from __future__ import annotations
@@ -143,6 +146,64 @@ def layer_activation_elements(args: LlamaArgs, tokens: float, layout: Layout) ->
     return tokens * sharded
 
 
+@dataclass(frozen=True)
+class FsdpGroup:
+    """The FSDP units of one rank that share a mesh (``dtrain.parallel.fsdp.apply_fsdp``)."""
+    name: str
+    """``dense`` (blocks, embeddings, output: ``ParallelDims.fsdp_mesh``), ``experts``
+    (``ep_fsdp``) or ``router`` (router and shared expert under tp: ``moe_fsdp``)."""
+    gathered: float
+    """Parameters the rank's units hold unsharded once all-gathered."""
+    kept: float
+    """The part of ``gathered`` in units that keep their weights from forward to backward (each
+    stage's last block, and the output layer)."""
+    shards: int
+    """Ranks each parameter is sharded over (1: the units exist, nothing is communicated)."""
+    replicas: int = 1
+    """HSDP: the sharded gradients are all-reduced over this many replicas."""
+    extent: int = 1
+    """Consecutive ranks the mesh spans (one node when it is at most the GPUs per node)."""
+
+
+def fsdp_groups(args: LlamaArgs, layout: Layout, layers: int, first: bool,
+                last: bool) -> list[FsdpGroup]:
+    """The FSDP meshes of a rank holding ``layers`` blocks (and the embedding on the first stage,
+    the final norm and output layer on the last), with the parameters it gathers from each; []
+    without FSDP (``ParallelDims.fsdp_enabled``). Mesh order, outermost first: pp, dp_replicate,
+    dp_shard (split dp_shard_mod_ep x dp_shard_in_ep under ep), cp, tp."""
+    if layout.dp * layout.cp == 1:
+        return []
+    p = layer_params(args)
+    stage_ranks = layout.world // layout.pp
+    stages = layout.pp_virtual_stages if layout.pp > 1 else 1
+    dense_layer = p["tp"] / layout.tp + p["replicated"]
+    router = p["router"]
+    if args.n_experts and layout.ep == 1:
+        dense_layer += p["experts"] + router
+    elif args.n_experts and layout.tp == 1:
+        dense_layer += router
+    vocab = args.vocab_size * args.dim / layout.tp
+    outer = (0 if args.tie_embeddings and first else vocab) + args.dim if last else 0
+    dense = layers * dense_layer + (vocab if first else 0) + outer
+    sharded = layout.dp_shard * layout.cp > 1
+    out = [FsdpGroup("dense", dense, stages * dense_layer + outer,
+                     layout.dp_shard * layout.cp if sharded else layout.dp_replicate,
+                     layout.dp_replicate if sharded else 1,
+                     layout.tp * layout.cp * layout.dp_shard if sharded else stage_ranks)]
+    if args.n_experts and layout.ep > 1:
+        in_ep = layout.ep // layout.cp if layout.cp > 1 else layout.ep
+        extent = (stage_ranks if layout.dp_replicate > 1 else
+                  layout.tp * layout.cp * layout.dp_shard if layout.dp_shard > in_ep else
+                  layout.tp)
+        expert_layer = p["experts"] / layout.ep
+        out.append(FsdpGroup("experts", layers * expert_layer, stages * expert_layer,
+                             stage_ranks // layout.ep, 1, extent))
+        if layout.tp > 1:
+            out.append(FsdpGroup("router", layers * router, stages * router, stage_ranks, 1,
+                                 stage_ranks))
+    return out
+
+
 @dataclass
 class MemoryEstimate:
     """Bytes per GPU (the busiest pipeline rank)."""
@@ -214,6 +275,19 @@ def estimate_memory(work: Workload, layout: Layout, c: Constants = H200) -> Memo
     return best
 
 
+def _pipeline_fsdp_buffers(args: LlamaArgs, layout: Layout, c: Constants, first: bool,
+                           last: bool, layers: int, block: float) -> float:
+    """FSDP's bytes on a pipeline rank when a backward starts: every unit's unsharded fp32
+    gradient accumulator; gathered weights of the units that keep them, of the rank's other
+    stages (their last backward left them gathered: (v - 1) / v of the rest), and of the blocks
+    prefetched; one block's bf16 gradient before it is added."""
+    groups = fsdp_groups(args, layout, layers, first, last)
+    gathered, kept = sum(g.gathered for g in groups), sum(g.kept for g in groups)
+    v = layout.pp_virtual_stages
+    held = kept + (gathered - kept) * (v - 1) / v + c.fsdp_buffer_blocks * block
+    return 4 * gathered + (1 if layout.fp8 else 2) * held + 2 * block
+
+
 def rank_memory(work: Workload, layout: Layout, c: Constants, first: bool,
                 last: bool) -> MemoryEstimate:
     """Peak bytes of a rank holding the first and/or the last pipeline stage."""
@@ -226,8 +300,10 @@ def rank_memory(work: Workload, layout: Layout, c: Constants, first: bool,
     p = layer_params(args)
     block = (p["tp"] / layout.tp + p["replicated"] + p["router"]
              + p["experts"] / max(layout.ep, 1))
-    if fsdp:
-        weight_bytes = 1 if layout.fp8 else 2
+    weight_bytes = 1 if layout.fp8 else 2
+    if fsdp and layout.pp > 1:
+        buffers = _pipeline_fsdp_buffers(args, layout, c, first, last, layers, block)
+    elif fsdp:
         buffers = c.fsdp_buffer_blocks * block * weight_bytes + block * 4
         if last:  # the output layer gathered, and its gradient before the reduce-scatter
             buffers += args.vocab_size * args.dim / layout.tp * (2 + 4)

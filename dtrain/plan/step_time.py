@@ -9,7 +9,14 @@ from dataclasses import dataclass, field
 
 from dtrain.parallel.pipeline import ideal_bubble
 from dtrain.plan.constants import H200, Constants
-from dtrain.plan.memory import Layout, Workload, layer_params, local_params
+from dtrain.plan.memory import (
+    Layout,
+    Workload,
+    fsdp_groups,
+    layer_params,
+    local_params,
+    stage_layers,
+)
 
 
 @dataclass
@@ -29,6 +36,10 @@ class TimeEstimate:
     microbatches: int = 1
     traffic: dict[str, float] = field(default_factory=dict)
     """Bytes each GPU sends per step, by parallelism (``tp``, ``cp``, ``ep``, ``fsdp``)."""
+    bandwidth: dict[str, float] = field(default_factory=dict)
+    """GB/s per GPU of the ``tp``, ``cp`` and ``ep`` collectives."""
+    fsdp_across_nodes: float = 0.0
+    """The bytes of ``traffic["fsdp"]`` over meshes that span nodes."""
 
 
 def model_flops_per_token(args, seq_len: int) -> float:
@@ -78,9 +89,6 @@ def estimate_time(work: Workload, layout: Layout, gpus_per_node: int = 8,
     # Mesh order (outermost first): pp, dp_replicate, dp_shard, cp, tp.
     tp_bw = _bandwidth(layout.tp, 1, gpus_per_node, c)
     cp_bw = _bandwidth(layout.cp, layout.tp, gpus_per_node, c)
-    shard_bw = _bandwidth(layout.dp_shard * layout.cp, layout.tp, gpus_per_node, c)
-    rep_bw = _bandwidth(layout.dp_replicate, layout.tp * layout.cp * layout.dp_shard,
-                        gpus_per_node, c)
 
     layers = args.n_layers / layout.pp
     tokens_mb = layout.micro_batch * seq / layout.cp  # local tokens of one micro-batch
@@ -88,6 +96,7 @@ def estimate_time(work: Workload, layout: Layout, gpus_per_node: int = 8,
     # Tensor parallel: per block and micro-batch 2 all-gathers and 2 reduce-scatters of the
     # block's activations forward, as many backward (one more pair recomputed under AC).
     traffic: dict[str, float] = {}
+    bandwidth = {"tp": tp_bw, "cp": cp_bw}
     tp_time = 0.0
     if layout.tp > 1:
         per_collective = _ring(tokens_mb * h * 2, layout.tp) / (tp_bw * 1e9)
@@ -110,39 +119,63 @@ def estimate_time(work: Workload, layout: Layout, gpus_per_node: int = 8,
     # Expert parallel: dispatch and combine all-to-alls forward and backward, per MoE block.
     ep_time = 0.0
     if layout.ep > 1:
-        ep_bw = _bandwidth(layout.ep, layout.tp, gpus_per_node, c)
+        ep_bw = bandwidth["ep"] = _bandwidth(layout.ep, layout.tp, gpus_per_node, c)
         volume = tokens_mb / layout.tp * args.moe_top_k * h * 2 * 4
         ep_time = c.ep_exposed * _ring(volume, layout.ep) / (ep_bw * 1e9) * layers * m
         traffic["ep"] = _ring(volume, layout.ep) * layers * m
-    # FSDP: weights all-gathered forward and backward and gradients reduce-scattered (fp32),
-    # every micro-batch; HSDP adds an all-reduce of the gradient shards across replicas.
-    fsdp_time = 0.0
-    stage_params = local_params(args, layout, True, layout.pp == 1,
-                                round(layers)) * layout.fsdp_shards
-    if layout.fsdp_shards > 1:
-        weight = 1 if layout.fp8 else 2
-        over = layout.dp_shard * layout.cp if layout.dp_shard * layout.cp > 1 \
-            else layout.dp_replicate
-        bw = shard_bw if layout.dp_shard * layout.cp > 1 else rep_bw
-        volume = _ring(stage_params * (2 * weight + 4), over)
-        fsdp_time = volume / (bw * 1e9) * m
-        traffic["fsdp"] = volume * m
-        if layout.dp_replicate > 1 and layout.dp_shard * layout.cp > 1:
-            replicas = 2 * _ring(stage_params / over * 4, layout.dp_replicate)
-            fsdp_time += replicas / (rep_bw * 1e9)
-            traffic["fsdp"] += replicas
-    elif layout.dp_replicate > 1:
-        traffic["fsdp"] = 2 * _ring(stage_params * 4, layout.dp_replicate)
-        fsdp_time = traffic["fsdp"] / (rep_bw * 1e9)
-    fsdp_exposed = max(c.fsdp_exposed * fsdp_time, fsdp_time - compute)
+    fsdp_exposed, fsdp_across = _fsdp_time(work, layout, gpus_per_node, c, compute, traffic)
     # Pipeline bubble, and the optimizer step (fused AdamW: ~28 bytes per local parameter).
     bubble = 0.0
     if layout.pp > 1:
         bubble = ideal_bubble(layout.pp_schedule, layout.pp, layout.pp_virtual_stages, m) * (
             compute + tp_time + cp_time + ep_time)
-    optimizer = stage_params / layout.fsdp_shards * 28 / (c.hbm_gb_s * 1e9)
+    local = local_params(args, layout, True, layout.pp == 1, round(layers))
+    optimizer = local * 28 / (c.hbm_gb_s * 1e9)
     overhead = c.step_overhead_s + c.microbatch_overhead_s * m * layout.pp_virtual_stages
     step = compute + tp_time + cp_time + ep_time + fsdp_exposed + bubble + optimizer + overhead
     tps = work.global_batch * seq / step / layout.world
     return TimeEstimate(step, compute, bubble, fsdp_exposed, tp_time, cp_time, ep_time,
-                        optimizer, overhead, tps, tps * flops / peak, m, traffic)
+                        optimizer, overhead, tps, tps * flops / peak, m, traffic, bandwidth,
+                        fsdp_across)
+
+
+def _fsdp_time(work: Workload, layout: Layout, gpus_per_node: int, c: Constants,
+               compute: float, traffic: dict[str, float]) -> tuple[float, float]:
+    """Exposed seconds of FSDP/HSDP per step on the first pipeline rank, and the bytes of it
+    that cross nodes; adds its bytes to ``traffic["fsdp"]``. What dtrain runs
+    (``dtrain.step``, ``dtrain.parallel.fsdp``, torch's ``fully_shard`` and pipelining):
+
+    - gradient accumulation: every micro-batch all-gathers each unit's weights forward and again
+      backward (once for the units that keep them: each stage's last block, the output layer),
+      reduce-scatters its fp32 gradients and, under HSDP, all-reduces the shards over the
+      replicas; hidden behind compute up to ``c.fsdp_exposed``;
+    - a pipeline: torch's pipelining skips the reduce-scatter and the reshard after every
+      backward but the step's last, so the forward reuses the weights the previous backward left
+      gathered: one all-gather per unit and microbatch (its backward's) plus the first forward's,
+      hidden like the above, and one reduce-scatter (and HSDP all-reduce) per step, after the
+      last backward, not hidden."""
+    m = work.microbatches(layout)
+    layers = stage_layers(work.args, layout, False)
+    weight = 1 if layout.fp8 else 2
+    gather = reduce = across = 0.0  # seconds, seconds, bytes
+    rep_bw = _bandwidth(layout.world // layout.pp, 1, gpus_per_node, c)
+    for g in fsdp_groups(work.args, layout, layers, True, layout.pp == 1):
+        if g.shards == 1:
+            continue
+        if layout.pp > 1:
+            gathers, reductions = (m + 1) * (g.gathered - g.kept) + g.kept, 1
+        else:
+            gathers, reductions = m * (2 * g.gathered - g.kept), m
+        gathered = _ring(gathers * weight, g.shards)
+        scattered = reductions * _ring(g.gathered * 4, g.shards)
+        replicas = reductions * 2 * _ring(g.gathered / g.shards * 4, g.replicas)
+        traffic["fsdp"] = traffic.get("fsdp", 0.0) + gathered + scattered + replicas
+        bw = (c.nvlink_gb_s if g.extent <= gpus_per_node else c.network_gb_s) * 1e9
+        across += ((gathered + scattered if g.extent > gpus_per_node else 0.0)
+                   + (replicas if layout.world // layout.pp > gpus_per_node else 0.0))
+        gather += gathered / bw
+        reduce += scattered / bw + replicas / (rep_bw * 1e9)
+    if layout.pp > 1:
+        return max(c.fsdp_exposed * gather, gather - compute) + reduce, across
+    total = gather + reduce
+    return max(c.fsdp_exposed * total, total - compute), across
