@@ -212,9 +212,18 @@ def build_loaders(data: DataConfig, validation: ValidationConfig, training: Trai
                        pin_memory=pin_memory)
     if not validation.enabled:
         return train, None
-    split_name = "valid"
-    if validation.path:
-        data, split_name = dataclasses.replace(data, path=validation.path, split="1,0,0"), "train"
+    data, split_name, key = validation_data(data, validation)
     samples = validation.steps * micro * dp
     return train, build_loader(data, tokenizer, seq, micro, dp_rank, dp, seed,
-                               num_samples=samples, split_name=split_name)
+                               num_samples=samples, split_name=split_name, key=key)
+
+
+def validation_data(data: DataConfig, validation: ValidationConfig
+                    ) -> tuple[DataConfig, str, str]:
+    """Where held-out data comes from: (the data section to read, the indexed split to take,
+    the setting that names the path): ``validation.path`` in the training source's format, or
+    the indexed source's valid split of ``data.path``."""
+    if validation.path:
+        return dataclasses.replace(data, path=validation.path, split="1,0,0"), "train", \
+            "validation.path"
+    return data, "valid", "data.path"

@@ -153,17 +153,27 @@ def describe_write_error(error: BaseException) -> str:
     return f"{type(error).__name__}: {text}"[:500]
 
 
-def check_keys(state: dict[str, Any], path: Path, what: str, fix: str) -> None:
-    """Refuses a checkpoint without metadata, or whose ``model`` entry holds keys the model
-    does not have or lacks keys it has (DCP alone checks only the keys it is asked for)."""
+def checkpoint_keys(path: Path, what: str, fix: str) -> set[str]:
+    """The flattened keys of the checkpoint at ``path``, read from its ``.metadata`` (the first
+    thing a load reads). A path that is not there, or a checkpoint without readable metadata, is
+    one ConfigError naming ``what``, then ``fix``."""
+    if not path.exists():
+        raise ConfigError(f"{what} cannot be loaded: {path} does not exist. {fix}")
     try:
-        saved = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+        return set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
     except FileNotFoundError:
         raise ConfigError(f"{what} cannot be loaded: {path} has no .metadata (not a checkpoint, "
                           f"or its save did not finish). {fix}") from None
     except Exception as e:  # unreadable metadata: one line, not the unpickler's traceback
         raise ConfigError(f"{what} cannot be loaded: its .metadata is damaged "
                           f"({type(e).__name__}). {fix}") from None
+
+
+def check_keys(state: dict[str, Any], path: Path, what: str, fix: str) -> None:
+    """Refuses a checkpoint without metadata (``checkpoint_keys``), or whose ``model`` entry
+    holds keys the model does not have or lacks keys it has (DCP alone checks only the keys it
+    is asked for)."""
+    saved = checkpoint_keys(path, what, fix)
     wanted = {f"model.{key}" for key in state["model"]}
     if dist.is_initialized() and dist.get_world_size() > 1:  # pipeline stages hold parts
         every = [None] * dist.get_world_size()

@@ -33,6 +33,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="world size of the dry run (default: the product of the recipe's "
                              "parallel degrees; needed when dp_shard = -1)")
     parser.add_argument("--dry-run-rank", type=int, default=0, help="rank the dry run builds")
+    parser.add_argument("--gpu-memory-gb", type=float, default=None,
+                        help="memory of one GPU for the dry run, in GB (default: this "
+                             "machine's GPU's; none without a GPU): a predicted peak over its "
+                             "usable part is an error naming the layout the planner would choose")
+    parser.add_argument("--gpus-per-node", type=int, default=None,
+                        help="GPUs per machine, for the planner's choice when the dry run's "
+                             "peak is over the budget (default 8)")
     parser.add_argument("-h", "--help", action="store_true", help="show every config field")
     known, overrides = parser.parse_known_args(argv)
     if known.help:
@@ -48,10 +55,18 @@ def main(argv: list[str] | None = None) -> int:
             print(config.to_toml())
             return 0
         if known.dry_run:
-            from dtrain.plan.dry_run import dry_run
+            from dtrain.plan.dry_run import Budget, dry_run
+            from dtrain.plan.over_budget import check_budget
 
-            print(dry_run(config, known.dry_run_world_size or None, known.dry_run_rank).format())
+            report = dry_run(config, known.dry_run_world_size or None, known.dry_run_rank,
+                             budget=Budget.of(known.gpu_memory_gb))
+            check_budget(report, config, 8 if known.gpus_per_node is None
+                         else known.gpus_per_node)
+            print(report.format())
             return 0
+        if known.gpu_memory_gb is not None or known.gpus_per_node is not None:
+            raise ConfigError("--gpu-memory-gb and --gpus-per-node are for the dry run: add "
+                              "--dry-run, or leave them out (training uses the GPUs it runs on)")
         trainer = Trainer(config)
         try:
             trainer.train()

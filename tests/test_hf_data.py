@@ -43,13 +43,17 @@ def test_jsonl_is_packed_in_document_order(tmp_path, tokenizer, docs):
         assert w.tolist() == expected[i * SEQ: i * SEQ + SEQ + 1]
 
 
-@pytest.mark.parametrize("fmt", ["parquet", "txt"])
-def test_parquet_and_text_files(tmp_path, tokenizer, docs, fmt):
+@pytest.mark.parametrize("fmt", ["parquet", "csv", "tsv", "txt"])
+def test_parquet_csv_tsv_and_text_files(tmp_path, tokenizer, docs, fmt):
     if fmt == "parquet":
         import pyarrow as pa
         import pyarrow.parquet as pq
         path = tmp_path / "d.parquet"
         pq.write_table(pa.table({"text": docs}), path)
+    elif fmt in ("csv", "tsv"):  # read by column: the header and the ids are not text
+        sep = "," if fmt == "csv" else "\t"
+        path = tmp_path / f"d.{fmt}"
+        path.write_text(f"id{sep}text\n" + "".join(f'{i}{sep}"{d}"\n' for i, d in enumerate(docs)))
     else:  # the text builder yields one document per line
         path = tmp_path / "d.txt"
         path.write_text("\n".join(docs) + "\n")
@@ -112,3 +116,14 @@ def test_vocab_padding_and_special_token_override(tokenizer):
         Tokenizer("builtin:debug/tokenizer.json", bos="<s>")
     swapped = Tokenizer("builtin:debug/tokenizer.json", bos="<|end_of_text|>")
     assert swapped.bos_id == tokenizer.eos_id
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".tsv", ".parquet", ".arrow"])
+def test_tables_given_to_the_text_source_are_refused_naming_the_hf_source(tmp_path, suffix):
+    from dtrain.data.documents import read_documents
+
+    table = tmp_path / f"corpus{suffix}"
+    table.write_text("id,text\n1,a\n")
+    with pytest.raises(ConfigError, match=rf"is a \{suffix} table, which the text source would "
+                                          r"read as plain text .*: set data.source = 'hf'"):
+        next(read_documents(table, "text"))

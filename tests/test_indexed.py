@@ -224,8 +224,8 @@ def test_cli_refuses_a_damaged_index_in_one_error_line(tmp_path, capsys):
                  "--job.output_dir", str(tmp_path / "out")])
     assert code == 2
     assert capsys.readouterr().err.splitlines() == [
-        f"error: index {tmp_path / 'd.idx'}, sequence 17: length -3 (a length must be >= 0); "
-        f"{indexed._REWRITE}"]
+        f"error: data.path: index {tmp_path / 'd.idx'}, sequence 17: length -3 (a length must "
+        f"be >= 0); {indexed._REWRITE}"]
 
 
 def test_an_open_dataset_reads_on_after_its_files_are_deleted(tmp_path):

@@ -113,25 +113,33 @@ class BlendedDataset:
 
 def build_gpt_dataset(blend: str | Sequence, seq_len: int, num_samples: int,
                       split: str = "969,30,1", split_name: str = "train", seed: int = 1234,
-                      cache_dir: str | Path | None = None) -> GPTSampleDataset | BlendedDataset:
+                      cache_dir: str | Path | None = None,
+                      opened: list[tuple[float, IndexedDataset]] | None = None
+                      ) -> GPTSampleDataset | BlendedDataset:
     """The ``split_name`` part (train, valid or test) of one prefix or a weighted blend, as
     windows of ``seq_len + 1`` tokens, like Megatron's ``--data-path BLEND --split SPLIT``: each
     dataset is split by ``split``; a single prefix gives at least ``num_samples`` samples, a blend
     gives ``sum_i ceil(num_samples * weight_i)`` samples, each dataset building its share plus
-    ``SURPLUS``."""
+    ``SURPLUS``. ``opened``: the blend's datasets opened already (``open_blend``)."""
     if split_name not in SPLITS:
         raise ConfigError(f"split_name '{split_name}' must be one of {', '.join(SPLITS)}")
-    pairs = parse_blend(blend)
+    pairs = opened if opened is not None else open_blend(blend)
     part = SPLITS.index(split_name)
 
-    def samples(prefix: str, count: int) -> GPTSampleDataset:
-        dataset = IndexedDataset(prefix)
+    def samples(dataset: IndexedDataset, count: int) -> GPTSampleDataset:
         documents = split_ranges(split, len(dataset))[part]
         return GPTSampleDataset(dataset, documents, seq_len, count, seed, cache_dir)
 
     if len(pairs) == 1:
         return samples(pairs[0][1], num_samples)
     targets = [math.ceil(num_samples * weight) for weight, _ in pairs]
-    datasets = [samples(prefix, math.ceil(target * (1 + SURPLUS)))
-                for target, (_, prefix) in zip(targets, pairs, strict=True)]
+    datasets = [samples(dataset, math.ceil(target * (1 + SURPLUS)))
+                for target, (_, dataset) in zip(targets, pairs, strict=True)]
     return BlendedDataset(datasets, [weight for weight, _ in pairs], sum(targets))
+
+
+def open_blend(blend: str | Sequence) -> list[tuple[float, IndexedDataset]]:
+    """(normalised weight, dataset) for each prefix of ``blend`` (``parse_blend``'s forms), each
+    opened and its index checked (``IndexedDataset``); the samples are not built. Raises
+    ConfigError naming the first missing or damaged file."""
+    return [(weight, IndexedDataset(prefix)) for weight, prefix in parse_blend(blend)]

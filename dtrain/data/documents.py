@@ -11,7 +11,7 @@ from pathlib import Path
 
 from dtrain.config import ConfigError
 
-TABULAR = (".csv", ".parquet", ".arrow")
+TABULAR = (".csv", ".tsv", ".parquet", ".arrow")
 """Table formats the hf source reads by column: as plain text they would train on headers,
 separators and quotes."""
 

@@ -26,7 +26,7 @@ from dtrain.data.documents import json_rows, json_type, read_documents, utf8_lin
 from dtrain.data.tokenizer import Tokenizer
 
 _BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text",
-             ".csv": "csv", ".arrow": "arrow"}
+             ".csv": "csv", ".tsv": "tsv", ".arrow": "arrow"}
 _TOKENIZE_BATCH = 64  # documents per tokenizer call
 
 
@@ -35,18 +35,15 @@ def load_documents(cfg: DataConfig):
     dataset name (needs hub access)."""
     import datasets
 
-    path = resolve(cfg.path)
-    if path.exists():
-        files = _local_files(path)
-        kinds = {_BUILDERS.get(_suffix(p)) for p in files}
-        if len(kinds) != 1 or None in kinds:
-            raise ConfigError(f"data.path = {cfg.path!r}: expected files of one format among "
-                              f"{', '.join(sorted(_BUILDERS))}, found "
-                              f"{', '.join(sorted({_suffix(p) for p in files})) or 'none'}")
+    local = local_data_files(cfg)
+    if local is not None:
+        builder, files = local
         # A JSON file pyarrow cannot parse is logged by datasets too; the stream raises one line.
         logging.getLogger("datasets.packaged_modules.json.json").addFilter(_JSON_LOG)
-        return datasets.load_dataset(kinds.pop(), data_files=[str(p) for p in files],
-                                     split="train", streaming=True)
+        options = {"delimiter": "\t"} if builder == "tsv" else {}  # HF's csv builder reads it
+        return datasets.load_dataset("csv" if builder == "tsv" else builder,
+                                     data_files=[str(p) for p in files], split="train",
+                                     streaming=True, **options)
     try:
         return datasets.load_dataset(cfg.path, cfg.hf_config or None, split=cfg.hf_split,
                                      streaming=True)
@@ -55,6 +52,28 @@ def load_documents(cfg: DataConfig):
                           f"that could be loaded ({type(e).__name__}: {e}); give a local "
                           "file or folder, or a dataset name reachable from this machine"
                           ) from None
+
+
+def local_data_files(cfg: DataConfig, key: str = "data.path") -> tuple[str, list[Path]] | None:
+    """The HF builder and the files of a local ``cfg.path`` (a file, or a folder of files of one
+    format), found without reading them; None for a dataset name (looked up on the hub when the
+    data loads). A path written as local (``builtin:``, ``/``, ``./``, ``../``, ``~`` or a data
+    file's suffix) that is not there, and files of no or several formats, are a ConfigError
+    naming ``key``."""
+    value, path = cfg.path, resolve(cfg.path)
+    if not path.exists():
+        if value.startswith(("builtin:", "/", "./", "../", "~")) or _suffix(path) in _BUILDERS:
+            raise ConfigError(f"{key} = {value!r}: no such file or folder: set {key} to a local "
+                              f"file or folder ({', '.join(sorted(_BUILDERS))}) or the name of "
+                              "a dataset on the HF hub")
+        return None
+    files = _local_files(path)
+    kinds = {_BUILDERS.get(_suffix(p)) for p in files}
+    if len(kinds) != 1 or None in kinds:
+        raise ConfigError(f"{key} = {value!r}: expected files of one format among "
+                          f"{', '.join(sorted(_BUILDERS))}, found "
+                          f"{', '.join(sorted({_suffix(p) for p in files})) or 'none'}")
+    return kinds.pop(), files
 
 
 def _local_files(path: Path) -> list[Path]:

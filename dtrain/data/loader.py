@@ -16,6 +16,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -44,12 +45,19 @@ class PackedTokens:
         return self.tokens[start:start + self.seq_len + 1]
 
 
-def build_text_dataset(cfg: DataConfig, tokenizer: Tokenizer, seq_len: int) -> PackedTokens:
-    """One JSON-lines or text file, tokenized up front and packed (small data)."""
+def text_file(cfg: DataConfig, key: str = "data.path") -> Path:
+    """The text source's file, checked to be there; a ConfigError naming ``key`` if not."""
     path = resolve(cfg.path)
     if not path.is_file():
-        raise ConfigError(f"data.path: file {path} not found: set data.path to a .jsonl, .json "
-                                "or text file")
+        raise ConfigError(f"{key}: file {path} not found: set {key} to a .jsonl, .json or text "
+                          "file")
+    return path
+
+
+def build_text_dataset(cfg: DataConfig, tokenizer: Tokenizer, seq_len: int,
+                       key: str = "data.path") -> PackedTokens:
+    """One JSON-lines or text file, tokenized up front and packed (small data)."""
+    path = text_file(cfg, key)
     stat = path.stat()
     key = (str(path), stat.st_mtime_ns, stat.st_size, cfg.text_field, tokenizer.file_key,
            tokenizer.bos_id, tokenizer.eos_id)
@@ -209,13 +217,47 @@ class StreamingLoader:
         self.stream.load_state_dict(state)
 
 
+def check_data_path(cfg: DataConfig, key: str = "data.path") -> str:
+    """What ``build_loader`` opens first of ``cfg.path``, without reading the data: the text
+    source's file; the hf source's local file or folder and its format; each indexed dataset
+    of the blend, its index checked. Returns "" or what only loading can check (a hf dataset
+    name, looked up on the hub); raises ConfigError naming ``key`` and the fix."""
+    if cfg.source == "indexed":
+        _open_indexed(cfg, key)
+        return ""
+    if cfg.source == "hf":
+        from dtrain.data.hf import local_data_files
+
+        if local_data_files(cfg, key) is None:
+            return (f"{key} = {cfg.path!r}: a dataset name on the HF hub, not checked "
+                    "offline (the launch loads it)")
+        return ""
+    text_file(cfg, key)
+    return ""
+
+
+def _open_indexed(cfg: DataConfig, key: str) -> list:
+    """The indexed source's datasets (``blend.open_blend``), a failure naming ``key`` (the
+    message names the file)."""
+    from dtrain.data.blend import open_blend
+
+    try:
+        return open_blend(cfg.path)
+    except ConfigError as e:
+        raise ConfigError(f"{key}: {e}") from None
+
+
 def build_loader(cfg: DataConfig, tokenizer: Tokenizer, seq_len: int, micro_batch: int,
                  dp_rank: int, dp_size: int, seed: int, num_samples: int,
-                 split_name: str = "train") -> DataLoader | StreamingLoader:
+                 split_name: str = "train", key: str = "data.path"
+                 ) -> DataLoader | StreamingLoader:
     """The loader for ``cfg.source``. ``num_samples`` (windows the run will take over all
     ranks) sizes the indexed source's sample index; ``split_name`` picks the indexed source's
-    train, valid or test documents. Token ids are checked against the tokenizer's vocabulary."""
-    checks = {"vocab_size": tokenizer.vocab_size, "source": f"data.path = {cfg.path!r}"}
+    train, valid or test documents; ``key`` is the setting ``cfg.path`` came from, named in its
+    errors. Token ids are checked against the tokenizer's vocabulary."""
+    if cfg.source != "indexed":  # the indexed datasets are opened once, below
+        check_data_path(cfg, key)
+    checks = {"vocab_size": tokenizer.vocab_size, "source": f"{key} = {cfg.path!r}"}
     if cfg.source == "hf":
         from dtrain.data.hf import HFWindowStream
 
@@ -226,8 +268,9 @@ def build_loader(cfg: DataConfig, tokenizer: Tokenizer, seq_len: int, micro_batc
 
         dataset = build_gpt_dataset(cfg.path, seq_len, num_samples, split=cfg.split,
                                     split_name=split_name, seed=seed,
-                                    cache_dir=cfg.index_cache or None)
+                                    cache_dir=cfg.index_cache or None,
+                                    opened=_open_indexed(cfg, key))
         # The sample index is shuffled already (Megatron's order); keep it.
         return DataLoader(dataset, micro_batch, dp_rank, dp_size, seed, shuffle=False, **checks)
-    return DataLoader(build_text_dataset(cfg, tokenizer, seq_len), micro_batch, dp_rank,
+    return DataLoader(build_text_dataset(cfg, tokenizer, seq_len, key), micro_batch, dp_rank,
                       dp_size, seed, shuffle=split_name == "train", **checks)
