@@ -14,7 +14,6 @@ import math
 import os
 import resource
 import sys
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +23,7 @@ import torch
 from dtrain.config import MetricsConfig
 from dtrain.log import logger
 from dtrain.models.llama import Transformer
+from dtrain.tensorboard_log import TensorBoardWriter
 
 # Dense bf16 peak TFLOP/s by device-name fragment, most specific first.
 PEAK_TFLOPS = [
@@ -94,7 +94,8 @@ def format_eta(seconds: float) -> str:
 
 
 class MetricsLogger:
-    """Writes one record per logged step to the console, TensorBoard (``<run>/tb``) and
+    """Writes one record per logged step to the console, TensorBoard (``<run>/tb/<job>``, see
+    ``dtrain.tensorboard_log``: grouped tags, ``config_toml`` as text) and
     ``<run>/metrics.jsonl``. Only the rank given ``enabled=True`` writes. The files open at the
     first record and again after ``close`` (a notebook's second ``train()``). Opening
     metrics.jsonl drops its lines that do not parse (a torn last line: the process was stopped
@@ -104,14 +105,23 @@ class MetricsLogger:
     to either file that fails (a full or read-only disk) is reported once; the records then go
     to the console only and training goes on."""
 
-    def __init__(self, cfg: MetricsConfig, run_dir: Path, enabled: bool, resume_step: int = 0):
+    def __init__(self, cfg: MetricsConfig, run_dir: Path, enabled: bool, resume_step: int = 0,
+                 config_toml: str = ""):
         self.cfg, self.run_dir, self.enabled = cfg, run_dir, enabled
-        self.jsonl_path, self.tensorboard_dir = run_dir / "metrics.jsonl", run_dir / "tb"
-        self._purge = resume_step
-        self._writer = None
+        self.jsonl_path = run_dir / "metrics.jsonl"
+        self.tensorboard_dir = run_dir / "tb" / run_dir.name  # the run folder is the job's name
+        self._purge, self._resume_step = resume_step, resume_step
+        self._config_toml = config_toml  # written once, at the first open
+        self._writer: TensorBoardWriter | None = None
         self._jsonl = None
         self._last_step = resume_step
         self._files_failed = False
+
+    @property
+    def tensorboard_command(self) -> str:
+        """How to see this run in TensorBoard, and where to look."""
+        return (f"tensorboard --logdir {self.tensorboard_dir.parent} (Custom Scalars tab: the "
+                "loss first; Text tab: the config)")
 
     def _open(self) -> None:
         if self._jsonl is not None or self._files_failed:
@@ -127,11 +137,9 @@ class MetricsLogger:
         self._jsonl = open(self.jsonl_path, "a")
 
     def _open_tensorboard(self, purge: int) -> None:
-        from torch.utils.tensorboard import SummaryWriter
-
-        _hide_tensorboard_thread_errors()
-        self._writer = SummaryWriter(log_dir=str(self.tensorboard_dir),
-                                     purge_step=purge + 1 if purge else None)
+        config, self._config_toml = self._config_toml, ""
+        self._writer = TensorBoardWriter(self.tensorboard_dir, purge + 1 if purge else None,
+                                         config, config_step=self._resume_step)
 
     def _to_file(self, path: Path, write: Callable[..., object], *args) -> None:
         """``write(*args)``, a write to ``path`` in the run folder, unless one failed before.
@@ -152,42 +160,29 @@ class MetricsLogger:
         self._jsonl.write(json.dumps(_strict(record), allow_nan=False) + "\n")
         self._jsonl.flush()
 
-    def _write_tensorboard(self, step: int, scalars: dict[str, float]) -> None:
-        for key, value in scalars.items():
-            self._writer.add_scalar(key, value, step)
-        self._writer.flush()
-
-    def _record(self, step: int, record: dict, scalars: dict[str, float]) -> None:
-        """``record`` to metrics.jsonl and ``scalars`` to TensorBoard."""
+    def _record(self, step: int, record: dict) -> None:
+        """``record`` to metrics.jsonl and TensorBoard."""
         self._last_step = step
         self._open()
         self._to_file(self.jsonl_path, self._write_jsonl, record)
         if self._writer is not None:
-            self._to_file(self.tensorboard_dir, self._write_tensorboard, step, scalars)
+            self._to_file(self.tensorboard_dir, self._writer.write, step, record)
 
     def log(self, step: int, total_steps: int, record: dict[str, float]) -> None:
         if not self.enabled:
             return
         record = {"step": step, **record, "time": time.time()}
-        scalars = {}
-        for key, value in record.items():
-            if key == "nonfinite_steps":  # step numbers: the count is the scalar
-                continue
-            if isinstance(value, list):  # one scalar per element (MoE tokens per expert)
-                scalars.update({f"{key}/{i}": item for i, item in enumerate(value)})
-            elif key not in ("step", "time"):
-                scalars[key] = value
-        self._record(step, record, scalars)
+        self._record(step, record)
         logger.info(self.format_line(step, total_steps, record))
 
     def log_validation(self, step: int, loss: float) -> None:
-        """Validation loss and perplexity: console, TensorBoard (val/...) and metrics.jsonl."""
+        """Validation loss and perplexity: console, TensorBoard (train/val_loss,
+        train/val_perplexity) and metrics.jsonl."""
         if not self.enabled:
             return
         perplexity = math.exp(min(loss, 50.0))
         self._record(step, {"step": step, "val_loss": loss, "val_perplexity": perplexity,
-                            "time": time.time()},
-                     {"val/loss": loss, "val/perplexity": perplexity})
+                            "time": time.time()})
         logger.info(f"validation step {step} | loss {loss:.4f} | perplexity {perplexity:.2f}")
 
     @staticmethod
@@ -277,22 +272,6 @@ def _replace(path: Path, data: bytes) -> None:
         with contextlib.suppress(OSError):
             temporary.unlink(missing_ok=True)
         raise
-
-
-def _hide_tensorboard_thread_errors() -> None:
-    """tensorboard's writer thread keeps its error for the writer's next call to raise (where
-    ``MetricsLogger`` reports it) and dies of it too: that death prints no second traceback."""
-    previous = threading.excepthook
-    if getattr(previous, "hides_tensorboard_errors", False):
-        return
-
-    def hook(args: threading.ExceptHookArgs) -> None:
-        if not (isinstance(args.exc_value, OSError)
-                and type(args.thread).__module__.startswith("tensorboard.")):
-            previous(args)
-
-    hook.hides_tensorboard_errors = True
-    threading.excepthook = hook
 
 
 def _strict(value):

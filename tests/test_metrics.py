@@ -52,7 +52,7 @@ def test_logger_writes_jsonl_and_tensorboard(tmp_path, capsys):
     logger.close()
     row = json.loads((tmp_path / "metrics.jsonl").read_text())
     assert row["step"] == 5 and row["loss"] == 2.5
-    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+    assert list((tmp_path / "tb" / tmp_path.name).glob("events.out.tfevents.*"))  # job's run
     line = capsys.readouterr().out
     assert "step  5/10" in line and "loss 2.5000" in line and "MFU 10.0%" in line
     assert "ETA 0:01:05" in line
