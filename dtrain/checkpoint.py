@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from dtrain.checkpoint_files import (
     GIB,
     check_keys,
+    checkpoint_keys,
     describe_write_error,
     free_bytes,
     hashing_writer,
@@ -272,10 +273,15 @@ class Checkpointer(StepHook):
         self._release_stager()
 
     def _finish(self, tmp: Path) -> None:
+        error = None
         try:
             write_hashes(tmp, self.rank, self._files)
         except OSError as e:  # the shards are written but cannot be verified: not kept
-            self._failed(tmp, e)
+            error = e
+        # Every rank decides together (a rank alone in _failed would wait at another barrier).
+        if not self._agree(error is None):
+            self._failed(tmp, error or OSError("another rank could not record its files' "
+                                               "hashes"))
             return
         self._barrier()  # every rank has written its shards
         if self.rank == 0:
@@ -427,10 +433,21 @@ def load_model_weights(parts: list[nn.Module], path: str | Path) -> None:
     model = whole_model_view(parts)
     state = model_state(model)
     extra = restorable_extra(state, _saved_keys(Path(path)), model)
-    read_checkpoint(state, path, f"checkpoint.initial_weights = {str(path)!r}",
-                    "Give a checkpoint of this model's shape (made by tools/convert_hf.py "
-                    "import or by a dtrain run)")
+    read_checkpoint(state, path, *_initial_weights_names(path))
     set_model_state_dict(model, with_extra(state, extra))
+
+
+def check_initial_weights(path: str | Path) -> None:
+    """What loading ``checkpoint.initial_weights`` reads first, its ``.metadata`` (the keys and
+    the files' hashes are compared when it loads); the load's ConfigError when it is missing."""
+    checkpoint_keys(Path(path), *_initial_weights_names(path))
+
+
+def _initial_weights_names(path: str | Path) -> tuple[str, str]:
+    """(what, fix) of the initial weights' errors."""
+    return (f"checkpoint.initial_weights = {str(path)!r}",
+            "Give a checkpoint of this model's shape (made by tools/convert_hf.py import or by a "
+            "dtrain run)")
 
 
 def read_checkpoint(state: dict[str, Any], path: str | Path, what: str, fix: str,

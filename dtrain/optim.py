@@ -1,8 +1,7 @@
-"""AdamW, learning-rate schedules and gradient clipping over (possibly sharded) parameters."""
+"""AdamW and gradient clipping over (possibly sharded) parameters."""
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 
 import torch
@@ -10,7 +9,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
-from dtrain.config import ConfigError, LRScheduleConfig, OptimizerConfig
+from dtrain.config import OptimizerConfig
 
 
 def build_optimizer(model: nn.Module | list[nn.Module], cfg: OptimizerConfig, device_type: str
@@ -26,66 +25,6 @@ def build_optimizer(model: nn.Module | list[nn.Module], cfg: OptimizerConfig, de
         impl = "fused" if device_type == "cuda" else "foreach"
     kwargs = {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **kwargs)
-
-
-def lr_factor(step: int, cfg: LRScheduleConfig, total_steps: int, peak_lr: float) -> float:
-    """Multiplier of the peak learning rate for 1-based optimizer step ``step``.
-
-    Warmup: step / warmup_steps. Then, over the steps after warmup, cosine or linear decay to
-    min_lr at ``total_steps``, constant, or wsd (warmup-stable-decay: constant, then decay over the
-    last ``wsd_decay_fraction`` of all steps)."""
-    if step <= cfg.warmup_steps:
-        return step / cfg.warmup_steps
-    floor = cfg.min_lr / peak_lr
-    if cfg.decay == "constant":
-        return 1.0
-    if cfg.decay == "wsd":
-        decay_steps = round(cfg.wsd_decay_fraction * total_steps)
-        decay_start = max(total_steps - decay_steps, cfg.warmup_steps)
-        if step <= decay_start or total_steps == decay_start:
-            return 1.0
-        progress = (step - decay_start) / (total_steps - decay_start)
-        shape = {"linear": 1 - progress,
-                 "cosine": 0.5 * (1 + math.cos(math.pi * progress)),
-                 "sqrt": 1 - math.sqrt(progress)}[cfg.wsd_decay_shape]
-        return floor + (1 - floor) * shape
-    span = total_steps - cfg.warmup_steps
-    progress = min((step - cfg.warmup_steps) / span, 1.0) if span > 0 else 1.0
-    if cfg.decay == "linear":
-        return floor + (1 - floor) * (1 - progress)
-    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def check_lr_schedule(cfg: LRScheduleConfig, peak_lr: float) -> None:
-    """Refuses a floor above the peak (the "decay" would climb to it): ``min_lr`` is absolute,
-    as Megatron-LM's ``--min-lr``, so a lower ``optimizer.lr`` needs a lower ``min_lr`` too."""
-    if cfg.decay != "constant" and cfg.min_lr > peak_lr:
-        raise ConfigError(
-            f"lr_schedule.min_lr = {cfg.min_lr:g} is above optimizer.lr = {peak_lr:g}: the "
-            f"{cfg.decay} decay would climb from the peak to it; set lr_schedule.min_lr at or "
-            f"below optimizer.lr (e.g. --lr_schedule.min_lr {peak_lr / 10:g}, a tenth of it)")
-
-
-def describe_lr_schedule(cfg: LRScheduleConfig, peak_lr: float, total_steps: int) -> str:
-    """The schedule in words for the start-up line: peak, floor, warm-up, shape; and a warning
-    when the warm-up covers the whole run (the peak is never reached)."""
-    floor = "" if cfg.decay == "constant" else f" to {cfg.min_lr:g}"
-    text = (f"lr {peak_lr:g}{floor} ({cfg.decay}), {cfg.warmup_steps} warm-up step"
-            f"{'s' * (cfg.warmup_steps != 1)}")
-    if cfg.warmup_steps >= total_steps:
-        text += (f" (the warm-up covers all {total_steps} steps: the learning rate never reaches "
-                 "its peak; lower lr_schedule.warmup_steps)")
-    return text
-
-
-def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: LRScheduleConfig,
-                       total_steps: int, peak_lr: float) -> torch.optim.lr_scheduler.LambdaLR:
-    """A LambdaLR whose ``last_epoch`` counts optimizer steps; the lr in use at step s (1-based)
-    is ``peak_lr * lr_factor(s)``."""
-    # LambdaLR evaluates the factor at 0 on construction and at n after the n-th step, so
-    # shift by one: the n-th optimizer step runs with factor(n).
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda n: lr_factor(n + 1, cfg, total_steps, peak_lr))
 
 
 def grad_norm(grads: list[torch.Tensor], pp_group=None) -> torch.Tensor:

@@ -31,11 +31,12 @@ from dtrain.config import Config
 from dtrain.errors import Preempted
 from dtrain.hooks import Hooks, StepHook
 from dtrain.log import logger, setup_logging
+from dtrain.lr_schedule import LRSchedule, describe_lr_schedule
 from dtrain.metrics import MetricsLogger, StepMetrics
 from dtrain.models.grouped_gemm import ExpertWeightCasts
 from dtrain.models.moe import GroupedExperts
 from dtrain.nonfinite import NonFiniteSteps
-from dtrain.optim import build_lr_scheduler, build_optimizer, describe_lr_schedule
+from dtrain.optim import build_optimizer
 from dtrain.parallel.compile import inductor_options
 from dtrain.parallel.expert import MoEStats, moe_layers
 from dtrain.parallel.fp8 import (
@@ -94,6 +95,14 @@ class Run:
             if self.world_size > 1 else None
         self.folder = RunFolder.claim(self.run_dir, resumable(cfg.checkpoint, self.run_dir),
                                       cfg.job.overwrite, self.rank, self.cpu_group)
+        try:
+            self._build()
+        except BaseException:  # a run that cannot start leaves its folder free for the next
+            self.folder.release()
+            raise
+
+    def _build(self) -> None:
+        cfg, device = self.config, self.device
         if self.rank == 0:
             forget_preemption(self.run_dir)
         self.mesh = self.dims.build_mesh(device.type) if self.world_size > 1 else None
@@ -161,8 +170,7 @@ class Run:
     def _build_training(self) -> None:
         cfg, tcfg = self.config, self.config.training
         self.optimizer = build_optimizer(self.model_parts, cfg.optimizer, self.device.type)
-        self.scheduler = build_lr_scheduler(self.optimizer, cfg.lr_schedule, tcfg.steps,
-                                            cfg.optimizer.lr)
+        self.scheduler = LRSchedule(self.optimizer, cfg.lr_schedule, tcfg.steps, cfg.optimizer.lr)
         units_on_gpu = fsdp_units_on_gpu(self.device, self.world_size, self.dims.fsdp_enabled,
                                          self.dims.pp, cfg.parallel.fsdp_cpu_offload)
         overlap = cfg.optimizer.overlap_step and (units_on_gpu or self._whole_dense_on_gpu())
@@ -263,7 +271,7 @@ class Run:
     def _build_reporting(self) -> None:
         cfg, tcfg = self.config, self.config.training
         self.metrics_logger = MetricsLogger(cfg.metrics, self.run_dir, enabled=self.rank == 0,
-                                            resume_step=self.step)
+                                            resume_step=self.step, config_toml=cfg.to_toml())
         self.metrics = StepMetrics(cfg.metrics, self.metrics_logger, self.device,
                                    self.tokens_per_step, self.world_size, self.flops_per_token,
                                    tcfg.steps, self.mean_loss)
@@ -292,13 +300,17 @@ class Run:
         """Mean token loss over the global batch from each rank's summed step loss."""
         return self.reduce_sum(loss_sum.clone()) / self.tokens_per_step
 
+    def write_config(self) -> None:
+        """The run folder's config.toml: the whole resolved config (rank 0 writes it)."""
+        if self.rank == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.toml").write_text(self.config.to_toml())
+
     def _announce(self) -> None:
         """The run folder's config.toml (the whole resolved config), and on the console a short
         summary: the model, the mesh, the batch arithmetic, the run folder, a line per feature."""
         cfg, tcfg = self.config, self.config.training
-        if self.rank == 0:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.toml").write_text(cfg.to_toml())
+        self.write_config()
         dims = self.dims
         mesh = " x ".join(f"{n} {getattr(dims, n)}" for n in
                           ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
@@ -311,49 +323,10 @@ class Run:
                     f"{tcfg.steps} steps | "
                     + describe_lr_schedule(cfg.lr_schedule, cfg.optimizer.lr, tcfg.steps))
         logger.info(f"run folder: {self.run_dir} (config.toml: the resolved config)")
-        for line in self._feature_lines():
+        for line in feature_lines(self):
             logger.info(f"  {line}")
         if warning := eager_fp8_warning(cfg.fp8, cfg.compile.enabled):
             logger.warning(warning)
-
-    def _feature_lines(self) -> list[str]:
-        """One line per enabled feature."""
-        cfg, lines = self.config, []
-        if self.step:
-            lines.append(f"resumed from step {self.step} ({self.checkpointer.folder})")
-        if cfg.checkpoint.enabled:
-            lines.append(f"checkpoints: every {cfg.checkpoint.interval} steps"
-                         f"{' (async)' if cfg.checkpoint.async_save else ''}, "
-                         f"last {cfg.checkpoint.keep_last} kept")
-        if self.pipeline is not None:
-            pcfg = cfg.parallel
-            bubble = ideal_bubble(pcfg.pp_schedule, self.dims.pp, pcfg.pp_virtual_stages,
-                                  self.grad_accum)
-            lines.append(f"pipeline: {pcfg.pp_schedule}, pp {self.dims.pp} x "
-                         f"{pcfg.pp_virtual_stages} stages per rank, {self.grad_accum} "
-                         f"microbatches: ideal bubble {100 * bubble:.1f}% of compute time")
-        if self.dims.cp > 1:
-            lines.append(f"context parallel: cp {self.dims.cp}, {cfg.parallel.cp_comm_type}")
-        if self.fp8_layers is not None:
-            converted, kept, experts = self.fp8_layers
-            lines.append(f"fp8: {cfg.fp8.backend} {cfg.fp8.recipe}"
-                         f"{' with FP8 all-gather' if self.fp8_all_gather else ''} | "
-                         f"{len(converted)} linear layers in FP8, {len(kept)} kept "
-                         f"({', '.join(kept[:4])}{', ...' if len(kept) > 4 else ''})"
-                         + (f" | the experts of {len(experts)} MoE layers in FP8 (rowwise)"
-                            if experts else ""))
-        if cfg.compile.enabled:
-            lines.append("torch.compile: each block and the loss")
-        if (mode := cfg.activation_checkpoint.mode) != "none":
-            lines.append(f"activation checkpointing: {mode}")
-        if self.overlapped_step is not None:
-            lines.append("optimizer step overlapped with the next forward")
-        if cfg.validation.enabled:
-            lines.append(f"validation: every {cfg.validation.interval} steps, "
-                         f"{cfg.validation.steps} batches")
-        if cfg.metrics.tensorboard:
-            lines.append(f"tensorboard --logdir {self.run_dir / 'tb'}")
-        return lines
 
     def close(self) -> None:
         """Stops the background work and leaves the process group (for notebooks that build
@@ -366,3 +339,43 @@ class Run:
         self.folder.release()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def feature_lines(run: Run) -> list[str]:
+    """One line per enabled feature of ``run``, for its start-up summary."""
+    cfg, lines = run.config, []
+    if run.step:
+        lines.append(f"resumed from step {run.step} ({run.checkpointer.folder})")
+    if cfg.checkpoint.enabled:
+        lines.append(f"checkpoints: every {cfg.checkpoint.interval} steps"
+                     f"{' (async)' if cfg.checkpoint.async_save else ''}, "
+                     f"last {cfg.checkpoint.keep_last} kept")
+    if run.pipeline is not None:
+        pcfg = cfg.parallel
+        bubble = ideal_bubble(pcfg.pp_schedule, run.dims.pp, pcfg.pp_virtual_stages,
+                              run.grad_accum)
+        lines.append(f"pipeline: {pcfg.pp_schedule}, pp {run.dims.pp} x "
+                     f"{pcfg.pp_virtual_stages} stages per rank, {run.grad_accum} "
+                     f"microbatches: ideal bubble {100 * bubble:.1f}% of compute time")
+    if run.dims.cp > 1:
+        lines.append(f"context parallel: cp {run.dims.cp}, {cfg.parallel.cp_comm_type}")
+    if run.fp8_layers is not None:
+        converted, kept, experts = run.fp8_layers
+        lines.append(f"fp8: {cfg.fp8.backend} {cfg.fp8.recipe}"
+                     f"{' with FP8 all-gather' if run.fp8_all_gather else ''} | "
+                     f"{len(converted)} linear layers in FP8, {len(kept)} kept "
+                     f"({', '.join(kept[:4])}{', ...' if len(kept) > 4 else ''})"
+                     + (f" | the experts of {len(experts)} MoE layers in FP8 (rowwise)"
+                        if experts else ""))
+    if cfg.compile.enabled:
+        lines.append("torch.compile: each block and the loss")
+    if (mode := cfg.activation_checkpoint.mode) != "none":
+        lines.append(f"activation checkpointing: {mode}")
+    if run.overlapped_step is not None:
+        lines.append("optimizer step overlapped with the next forward")
+    if cfg.validation.enabled:
+        lines.append(f"validation: every {cfg.validation.interval} steps, "
+                     f"{cfg.validation.steps} batches")
+    if cfg.metrics.tensorboard:
+        lines.append(run.metrics_logger.tensorboard_command)
+    return lines

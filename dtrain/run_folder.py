@@ -56,8 +56,10 @@ class RunFolder:
             try:
                 fd, previous = _lock(path)
                 _check_new_run(path, resuming, overwrite, previous)
-            except ConfigError as e:
-                problem = str(e)
+            except (ConfigError, OSError) as e:  # every rank hears it, or the others wait
+                problem = str(e) if isinstance(e, ConfigError) else (
+                    f"run folder {path} cannot be prepared ({e.strerror or e}): set "
+                    "job.output_dir to a writable folder")
                 if fd is not None:
                     os.close(fd)
                     fd = None

@@ -67,6 +67,29 @@ class Trainer(Run):
         """The device's compute stream waits for the last step's weight updates."""
         self.update.wait()
 
+    def extend(self, steps: int) -> None:
+        """``steps`` more optimizer steps after ``training.steps``, for the next ``train()``.
+        The schedule keeps its meaning: its decay still ends where it did (pinned in
+        ``lr_schedule.decay_steps``) and the steps added train at its final learning rate
+        (``min_lr``; the peak for ``constant``). The last step's checkpoint and validation move
+        to the new last step; config.toml records the new length, and a resume from the
+        command line gives the same two settings (``--training.steps``,
+        ``--lr_schedule.decay_steps``)."""
+        if steps < 1:
+            raise ConfigError(f"extend({steps}): give a number of steps >= 1")
+        self.scheduler.extend(steps)
+        self.config.training.steps += steps
+        for part in (self.checkpointer, self.validator, self.metrics):
+            if part is not None:
+                part.total_steps = self.config.training.steps
+        self.write_config()
+        last, sched = self.config.training.steps, self.scheduler
+        final_lr = sched.peak_lr if sched.cfg.decay == "constant" else sched.cfg.min_lr
+        end = "" if sched.cfg.decay == "constant" else \
+            f" (its decay ends at step {sched.cfg.decay_steps})"
+        logger.info(f"extended to {last} steps: steps {last - steps + 1}-{last} train at lr "
+                    f"{final_lr:g}, the schedule's end{end}")
+
     def evaluate(self) -> float:
         """Mean token loss over the validation batches (the same ones at every call)."""
         if self.validator.batches is None:
@@ -84,12 +107,13 @@ class Trainer(Run):
         steps = self.config.training.steps
         last = min(until or steps, steps)
         if until is not None and until > steps:
-            logger.warning(f"train(until={until}): the run ends at training.steps = {steps}, "
-                           "the last step of its learning-rate schedule; it stops there")
+            logger.warning(f"train(until={until}): the run ends at training.steps = {steps}; "
+                           f"it stops there (trainer.extend({until - steps}) adds the steps "
+                           "after it, at the schedule's final learning rate)")
         if self.step >= last:
             logger.warning(f"train(): nothing to train: the run is at step {self.step} "
-                           + (f"of {steps}, its last" if self.step >= steps else
-                              f"already, past until={until}"))
+                           + (f"of {steps}, its last (trainer.extend(n) adds n more)"
+                              if self.step >= steps else f"already, past until={until}"))
             return []
         first_record = len(self.history)
         self.metrics.start(self.step, last)

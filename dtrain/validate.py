@@ -14,7 +14,7 @@ import torch
 
 from dtrain.build import batch_arithmetic, model_args_of
 from dtrain.config import Config, ConfigError, check_ranges
-from dtrain.optim import check_lr_schedule
+from dtrain.lr_schedule import check_lr_schedule
 from dtrain.parallel.context import check_cp
 from dtrain.parallel.dims import ParallelDims
 from dtrain.parallel.expert import check_ep

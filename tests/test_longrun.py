@@ -77,6 +77,8 @@ def test_a_huge_learning_rate_skips_steps_then_stops_with_code_3(cli, tmp_path):
     resumed = Trainer(load_config("debug", {**BASE, "training.seq_len": 64,
                                             "training.global_batch_size": 4,
                                             "training.steps": 12, "checkpoint.enabled": True,
+                                            "optimizer.lr": 1e3,  # the schedule it saved
+                                            "lr_schedule.warmup_steps": 20,
                                             "job.output_dir": str(tmp_path)}))
     assert resumed.step == 3
     assert all(torch.isfinite(p).all() for p in resumed.model.parameters())
@@ -285,9 +287,9 @@ def test_a_resumed_run_logs_each_step_once(tmp_path):
     Trainer(load_config("debug", config)).train()
     run = tmp_path / "debug"
     assert [r["step"] for r in strict_records(run)] == list(range(1, 11))
-    events = EventAccumulator(str(run / "tb"))
+    events = EventAccumulator(str(run / "tb" / "debug"))
     events.Reload()
-    assert [e.step for e in events.Scalars("loss")] == list(range(1, 11))
+    assert [e.step for e in events.Scalars("train/loss")] == list(range(1, 11))
 
 
 def test_streamed_data_resumed_on_more_ranks_is_refused_by_name(tmp_path):

@@ -164,9 +164,9 @@ def test_a_checkpoint_without_its_hash_record_is_refused_unless_loaded_unverifie
     with pytest.raises(ConfigError, match=re.escape(
             f"checkpoint {step} cannot be loaded: file {step / '.metadata'} has no recorded "
             "hash (a hashes-rank*.json file is missing")) as refused:
-        trainer(tmp_path, 4)
+        trainer(tmp_path, 2)
     assert "checkpoint.load_unverified = true" in str(refused.value)
-    loaded = trainer(tmp_path, 4, **{"checkpoint.load_unverified": True})
+    loaded = trainer(tmp_path, 2, **{"checkpoint.load_unverified": True})
     assert loaded.step == 2
     assert "checkpoint step 2 loaded in" in capsys.readouterr().out
     loaded.close()
@@ -199,7 +199,7 @@ def test_a_resume_with_other_data_settings_is_refused_naming_the_key(tmp_path, k
 
 def test_reset_data_position_resumes_the_weights_and_starts_the_data_over(tmp_path, capsys):
     trainer(tmp_path, 2).train()
-    resumed = trainer(tmp_path, 4, **{"training.seq_len": 32,
+    resumed = trainer(tmp_path, 4, **{"training.seq_len": 32, "lr_schedule.decay_steps": 2,
                                       "checkpoint.reset_data_position": True})
     assert resumed.step == 2 and resumed.loader.state_dict()["consumed"] == 0
     assert ("checkpoint.reset_data_position: the data starts from its beginning "

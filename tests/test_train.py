@@ -71,7 +71,7 @@ def test_run_folder_holds_config_metrics_and_tensorboard(tmp_path):
                 "tflops_per_device", "step_time_s", "data_wait_percent", "peak_memory_gib",
                 "eta_s"):
         assert key in rows[0]
-    assert list((run / "tb").glob("events.out.tfevents.*"))
+    assert list((run / "tb" / "tiny").glob("events.out.tfevents.*"))
 
 
 def test_autocast_bf16_trains_on_fp32_master_weights(tmp_path):
@@ -134,9 +134,10 @@ def test_calls_past_the_end_say_so_and_evaluate_without_held_out_data_is_one_err
     assert [r["step"] for r in trainer.train()] == []
     said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("train(")]
     assert said == [
-        "train(until=5): the run ends at training.steps = 2, the last step of its "
-        "learning-rate schedule; it stops there",
-        "train(): nothing to train: the run is at step 2 of 2, its last"]
+        "train(until=5): the run ends at training.steps = 2; it stops there "
+        "(trainer.extend(3) adds the steps after it, at the schedule's final learning rate)",
+        "train(): nothing to train: the run is at step 2 of 2, its last (trainer.extend(n) adds "
+        "n more)"]
     with pytest.raises(ConfigError, match=r"^evaluate\(\): this run has no held-out data: "
                                           "build the trainer with validation.enabled = true"):
         trainer.evaluate()

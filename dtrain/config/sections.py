@@ -211,11 +211,19 @@ class LRScheduleConfig:
     decay: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
     """Shape after warmup; wsd holds lr then decays over the last wsd_decay_fraction of steps."""
     min_lr: float = ranged(0.0, lambda v: v >= 0, "a number >= 0")
-    """Learning rate at the last step (cosine, linear, wsd)."""
+    """Learning rate at the end of the decay (cosine, linear, wsd), absolute as Megatron-LM's
+    --min-lr: at most optimizer.lr."""
+    decay_steps: int = ranged(0, lambda v: v >= 0, "an integer >= 0")
+    """The step at which the decay ends (Megatron-LM's --lr-decay-iters); 0: training.steps.
+    Steps after it train at min_lr."""
     wsd_decay_fraction: float = ranged(0.2, lambda v: 0 <= v <= 1, "a number in [0, 1]")
-    """Fraction of all steps spent decaying in the wsd schedule."""
+    """Fraction of the schedule's steps spent decaying in the wsd schedule."""
     wsd_decay_shape: Literal["linear", "cosine", "sqrt"] = "linear"
     """Decay curve of the wsd schedule's last phase."""
+    override_checkpoint: bool = False
+    """On resume, take this schedule where it differs from the checkpoint's (peak, floor,
+    warm-up, shape, decay end), which is refused otherwise (Megatron-LM's
+    --override-opt_param-scheduler)."""
 
 
 @dataclass
@@ -291,7 +299,8 @@ class MetricsConfig:
     log_every: int = ranged(10, lambda v: v >= 1, "an integer >= 1")
     """Console line and TensorBoard scalars every this many steps."""
     tensorboard: bool = True
-    """Write TensorBoard event files into <run>/tb."""
+    """Write TensorBoard event files into <run>/tb/<job.name> (a run named after the job):
+    scalars grouped train/, perf/, memory/, moe/, and the resolved config as text."""
     peak_tflops: float = ranged(0.0, lambda v: v >= 0, "a number >= 0")
     """Peak bf16 TFLOP/s per device for MFU; 0 looks it up by device name."""
 
