@@ -124,3 +124,43 @@ def test_cross_entropy_kernel_turns_an_infinite_logit_into_a_non_finite_loss():
     logits, labels = _logits("cuda", torch.bfloat16, rows=8, vocab=5000)
     logits[3, 7] = float("inf")
     assert not torch.isfinite(fused_cross_entropy_sum(logits[None], labels[None]))
+
+
+# ---- The ops' input checks: the same on the CPU and on CUDA ----------------------------------
+
+def test_the_log_sum_exp_output_carries_its_gradient():
+    logits, labels = _logits("cpu", torch.float64)
+    ref = logits.clone().requires_grad_()
+    ours = logits.clone().requires_grad_()
+    expected = F.cross_entropy(ref, labels, reduction="sum") + 0.5 * torch.logsumexp(ref, -1).sum()
+    loss, lse = cross_entropy_sum(ours, labels)
+    (loss + 0.5 * lse.sum()).backward()
+    expected.backward()
+    torch.testing.assert_close(ours.grad, ref.grad, rtol=1e-6, atol=1e-9)
+
+
+def test_a_label_outside_the_vocabulary_is_an_error_not_a_nan():
+    logits, labels = _logits("cpu", torch.float32)
+    labels[2] = logits.shape[1]  # one past the vocabulary
+    with pytest.raises(RuntimeError, match=r"a label is outside \[0, 1000\) and is not -100"):
+        cross_entropy_sum(logits, labels)
+
+
+def test_rope_refuses_a_table_of_another_length():
+    x, cache = _rope_inputs("cpu", torch.float32, seq=48)
+    with pytest.raises(ValueError, match=r"rope: x \(batch, seq, heads, head_dim\) needs cos_sin "
+                                         r"\(seq, head_dim // 2, 2\), got x \(2, 48, 3, 16\) and "
+                                         r"cos_sin \(64, 8, 2\)"):
+        rope(x, torch.view_as_real(cache))  # the whole 64-place cache, not the first 48
+
+
+@cuda
+def test_the_cuda_kernels_take_non_contiguous_labels_and_refuse_bad_ones():
+    logits, labels = _logits("cuda", torch.bfloat16, rows=64, vocab=5000)
+    strided = torch.stack([labels, labels], dim=1)[:, 0]  # stride 2
+    assert not strided.is_contiguous()
+    torch.testing.assert_close(cross_entropy_sum(logits, strided)[0],
+                               cross_entropy_sum(logits, labels.clone())[0], rtol=0, atol=0)
+    x, cache = _rope_inputs("cuda", torch.bfloat16, seq=48)
+    with pytest.raises(ValueError, match="rope: x"):
+        rope(x, torch.view_as_real(cache))

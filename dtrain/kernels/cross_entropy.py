@@ -18,15 +18,29 @@ def kernel_applies(logits: torch.Tensor) -> bool:
             and logits.dtype in (torch.bfloat16, torch.float16, torch.float32))
 
 
+def check_inputs(logits: torch.Tensor, labels: torch.Tensor) -> None:
+    """The shapes (rows, vocab) and (rows,) or a ValueError; every label in [0, vocab) or -100,
+    or a RuntimeError as ``F.cross_entropy`` gives (on CUDA a device-side assertion: no host
+    synchronisation, and the loss is never silently NaN)."""
+    if logits.dim() != 2 or labels.shape != logits.shape[:1]:
+        raise ValueError(f"cross_entropy_sum: logits (rows, vocab) and labels (rows,) expected, "
+                         f"got {tuple(logits.shape)} and {tuple(labels.shape)}")
+    vocab = logits.shape[1]
+    torch._assert_async(((labels >= 0) & (labels < vocab) | (labels == IGNORE_INDEX)).all(),
+                        f"cross_entropy_sum: a label is outside [0, {vocab}) and is not "
+                        f"{IGNORE_INDEX}")
+
+
 @torch.library.custom_op("dtrain::cross_entropy_sum", mutates_args=())
 def cross_entropy_sum(logits: torch.Tensor,
                       labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(the summed cross-entropy of logits (rows, vocab) against labels (rows,), rows labelled
-    -100 left out, in fp32; each row's log-sum-exp, fp32, which the backward reads)."""
+    -100 left out, in fp32; each row's log-sum-exp, fp32). Both are differentiable."""
+    check_inputs(logits, labels)
     if kernel_applies(logits):
         from dtrain.kernels import gpu
 
-        loss, lse = gpu.cross_entropy_forward(logits, labels, IGNORE_INDEX)
+        loss, lse = gpu.cross_entropy_forward(logits, labels.contiguous(), IGNORE_INDEX)
         return loss.sum(), lse
     logits = logits.float()
     return (F.cross_entropy(logits, labels, reduction="sum", ignore_index=IGNORE_INDEX),
@@ -46,7 +60,10 @@ def _setup(ctx, inputs, output) -> None:
 
 def _backward(ctx, grad_loss: torch.Tensor, grad_lse: torch.Tensor | None):
     logits, labels, lse = ctx.saved_tensors
-    return _logits_grad(logits, labels, lse, grad_loss), None
+    grad = _logits_grad(logits, labels, lse, grad_loss)
+    if grad_lse is not None:  # d lse / d logits = softmax: only where the lse itself is used
+        grad = grad + (grad_lse[:, None] * torch.exp(logits.float() - lse[:, None])).to(grad.dtype)
+    return grad, None
 
 
 @torch.library.custom_op("dtrain::cross_entropy_sum_backward", mutates_args=())
@@ -57,7 +74,8 @@ def _logits_grad(logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor,
     if kernel_applies(logits):
         from dtrain.kernels import gpu
 
-        return gpu.cross_entropy_backward(logits, labels, lse, grad_loss, IGNORE_INDEX)
+        return gpu.cross_entropy_backward(logits, labels.contiguous(), lse, grad_loss,
+                                          IGNORE_INDEX)
     probs = torch.exp(logits.float() - lse[:, None])
     kept = labels != IGNORE_INDEX
     probs[kept, labels[kept]] -= 1

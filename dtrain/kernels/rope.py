@@ -26,12 +26,24 @@ def kernel_applies(x: torch.Tensor) -> bool:
             and x.dtype in (torch.bfloat16, torch.float16, torch.float32))
 
 
+def check_inputs(x: torch.Tensor, cos_sin: torch.Tensor) -> None:
+    """x (batch, seq, heads, head_dim) and cos_sin (seq, head_dim // 2, 2), or a ValueError
+    naming both shapes: a table of another length would rotate by other places' angles (or
+    read past its end)."""
+    if (x.dim() != 4 or cos_sin.dim() != 3 or x.shape[-1] % 2
+            or tuple(cos_sin.shape) != (x.shape[1], x.shape[-1] // 2, 2)):
+        raise ValueError(f"rope: x (batch, seq, heads, head_dim) needs cos_sin (seq, "
+                         f"head_dim // 2, 2), got x {tuple(x.shape)} and cos_sin "
+                         f"{tuple(cos_sin.shape)}")
+
+
 @torch.library.custom_op("dtrain::rope", mutates_args=())
 def rope(x: torch.Tensor, cos_sin: torch.Tensor, sign: float = 1.0) -> torch.Tensor:
     """x (batch, seq, heads, head_dim) with each channel pair (2i, 2i+1) rotated by ``sign`` x
     its angle at the token's place, in fp32 (fp64 for fp64 x), returned in x's dtype.
     ``cos_sin`` (seq, head_dim // 2, 2) fp32: the angles' cosine and sine for each place of x's
     sequence."""
+    check_inputs(x, cos_sin)
     if kernel_applies(x):
         from dtrain.kernels import gpu
 
