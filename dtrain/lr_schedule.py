@@ -110,6 +110,19 @@ class LRSchedule(torch.optim.lr_scheduler.LambdaLR):
         self.cfg.decay_steps = decay_end(self.cfg, self.total_steps)
         self.total_steps += steps
 
+    def uncount_step(self) -> None:
+        """An optimizer step whose update was skipped (a non-finite step, ``dtrain.nonfinite``)
+        is taken back from the count: the schedule advances with the updates that happened, as
+        Megatron-LM's does. The host learns of a skip when it reads the step's flag: at once
+        on the CPU; one step late on a GPU (read without waiting for the device), so there the
+        step after a skipped one still runs at the rate one step ahead, and the next ones at
+        the count of updates."""
+        self.last_epoch -= 1
+        factor = self.lr_lambdas[0](self.last_epoch)
+        self._last_lr = [base * factor for base in self.base_lrs]
+        for group, lr in zip(self.optimizer.param_groups, self._last_lr, strict=True):
+            group["lr"] = lr
+
     def state_dict(self) -> dict:
         state = {k: v for k, v in super().state_dict().items()
                  if k not in ("cfg", "total_steps", "peak_lr")}

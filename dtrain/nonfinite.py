@@ -5,7 +5,8 @@ ranks agree with one small all-reduce, on the device), and the update is told to
 (``dtrain.optim.skip_update_if``): torch's fused AdamW reads the flag inside its kernel, so the
 weights and the optimizer state stay as they were without the host waiting for the device. The
 host reads each flag one step later, through a copy that is long finished by then, to count the
-skipped steps (reported on the next log line) and to stop the run after
+skipped steps (reported on the next log line; the learning-rate schedule takes each back from
+its count, ``LRSchedule.uncount_step``) and to stop the run after
 ``training.max_nonfinite_steps`` in a row, or at the first with ``training.nonfinite = "stop"``.
 """
 
@@ -26,6 +27,7 @@ class NonFiniteSteps(StepHook):
         self._unread: list[tuple[int, torch.Tensor, torch.cuda.Event | None]] = []
         self.skipped: list[int] = []  # since the last log line
         self.in_a_row = 0
+        self.on_skip = None  # called for each skipped step read (the LR schedule's uncount)
 
     def flag(self, loss_sum: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
         """1.0 where the step's loss on any rank or its gradient norm is not finite, else 0.0,
@@ -64,6 +66,8 @@ class NonFiniteSteps(StepHook):
             return
         self.skipped.append(step)
         self.in_a_row += 1
+        if self.on_skip is not None:
+            self.on_skip()
         if self.policy == "stop" or self.in_a_row >= self.max_in_a_row:
             rule = ("training.nonfinite = 'stop'" if self.policy == "stop" else
                     f"{self.in_a_row} in a row, training.max_nonfinite_steps = "

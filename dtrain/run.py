@@ -197,6 +197,7 @@ class Run:
         dp_cp = self.dims.mesh("dp_cp")
         self.nonfinite = NonFiniteSteps(tcfg.nonfinite, tcfg.max_nonfinite_steps,
                                         dp_cp.get_group() if dp_cp is not None else None)
+        self.nonfinite.on_skip = self.scheduler.uncount_step  # the schedule counts updates
         self.hooks = Hooks([
             self.nonfinite,
             self.checkpointer,

@@ -33,6 +33,7 @@ from dtrain.errors import (
     CheckpointNotSaved,
     Preempted,
 )
+from dtrain.lr_schedule import lr_factor
 
 SMALL = ["--recipe", "debug", "--model.n_layers", "2", "--training.seq_len", "64",
          "--training.global_batch_size", "4", "--training.micro_batch_size", "1",
@@ -55,8 +56,16 @@ def test_a_non_finite_step_changes_nothing_and_is_reported(tmp_path):
     # Step 3 ran outside train(): the next log line, step 4's, reports it.
     assert [(r["step"], r.get("nonfinite_steps")) for r in trainer.history] == [
         (1, None), (2, None), (4, [3]), (5, None)]
-    # Four updates for five steps: AdamW's own step count skipped the poisoned one.
+    # Four updates for five steps: AdamW's own step count skipped the poisoned one, and so did
+    # the learning-rate schedule (as Megatron-LM's): step 4 ran at the rate of the third update.
     assert {int(s["step"]) for s in trainer.optimizer.state.values()} == {4}
+    assert trainer.scheduler.last_epoch == 4
+    cfg = trainer.config
+    rates = {r["step"]: r["lr"] for r in trainer.history}
+    assert rates[4] == pytest.approx(cfg.optimizer.lr * lr_factor(3, cfg.lr_schedule, 5,
+                                                                  cfg.optimizer.lr))
+    assert rates[5] == pytest.approx(cfg.optimizer.lr * lr_factor(4, cfg.lr_schedule, 5,
+                                                                  cfg.optimizer.lr))
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
     assert strict_records(tmp_path / "debug")[0]["step"] == 1
 
