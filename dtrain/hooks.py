@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import torch
+
 
 class StepHook:
     """The points of one optimizer step; each does nothing unless overridden."""
@@ -27,6 +29,13 @@ class StepHook:
 
     def after_step(self, step: int) -> None:
         """After step ``step`` (1-based, counted over resumes) is complete on the host."""
+
+    def abandon_step(self) -> None:
+        """The step raised before its update (an interrupt between micro-batches, a caught
+        out-of-memory error): whatever the hook holds for the step is dropped, as after an
+        update, so that the next step starts as any step does. It may come at any point
+        before the update: before, inside or after this hook's ``before_step`` or
+        ``before_update``."""
 
     def record(self, step: int) -> dict[str, Any]:
         """Figures of the last step for its log record (called only when the step is logged)."""
@@ -55,8 +64,25 @@ class Hooks(StepHook):
         for hook in self.hooks:
             hook.after_step(step)
 
+    def abandon_step(self) -> None:
+        for hook in self.hooks:
+            hook.abandon_step()
+
     def record(self, step: int) -> dict[str, Any]:
         merged: dict[str, Any] = {}
         for hook in self.hooks:
             merged.update(hook.record(step))
         return merged
+
+
+def step_grad(weight: torch.Tensor) -> torch.Tensor | None:
+    """The ``.grad`` into which a step hook's backwards add ``weight``'s gradient in place (made
+    zero where there is none), or None where ``weight`` is frozen (``requires_grad`` False, read
+    at every step, so a weight frozen or unfrozen between steps is seen): a frozen weight then
+    gets no gradient, so the optimizer skips it and the clipping norm leaves it out, as with
+    autograd's own accumulation."""
+    if not weight.requires_grad:
+        return None
+    if weight.grad is None:
+        weight.grad = torch.zeros_like(weight)
+    return weight.grad

@@ -4,6 +4,8 @@ Each step: the step hooks' ``before_step`` -> the forward and backward of the gl
 (gradient accumulation or a pipeline schedule) -> the global gradient norm and clipping -> the
 non-finite check (``dtrain.nonfinite``: such a step's update changes nothing) ->
 ``before_update`` -> the weight update -> ``after_update`` -> the LR schedule -> ``after_step``.
+A step that raises before its update (an interrupt, a caught out-of-memory error) leaves no
+gradient and no hook state behind (``StepHook.abandon_step``).
 Around the steps, the checkpointer says when to save, the validator when to evaluate and the
 metrics when to log; each owns its timing and its figures. A preemption signal ends the run at a
 step boundary with a checkpoint (``dtrain.preemption``); the hang watchdog hears from every step
@@ -36,17 +38,26 @@ class Trainer(Run):
         figures are device tensors nothing has waited for, and with the overlapped step
         (``optimizer.overlap_step``) the weight updates may still be running on their side
         stream. The next step's forward waits for them unit by unit; anything else reading the
-        weights calls ``wait_for_update()`` first."""
+        weights calls ``wait_for_update()`` first.
+
+        A step that raises before its update (Ctrl-C between micro-batches, a caught
+        out-of-memory error) is abandoned (``_abandon_step``) and the exception goes on as it
+        was: the weights, the optimizer and the step count are those of the last step. The
+        micro-batches it took are not given back: the next step takes the ones after them."""
         lr = self.optimizer.param_groups[0]["lr"]
-        self.hooks.before_step()
-        loss_sum = self.forward_backward(self.batches)
+        params = [p for part in self.model_parts for p in part.parameters()]
         pp_mesh = self.dims.mesh("pp")
-        grad_norm = clip_grad_norm_([p for part in self.model_parts for p in part.parameters()],
-                                    self.config.training.max_norm,
-                                    pp_mesh.get_group() if pp_mesh else None, self.optimizer)
-        flag = self.nonfinite.flag(loss_sum, grad_norm)
-        self.nonfinite.note(self.step + 1, flag)
-        self.hooks.before_update()
+        try:
+            self.hooks.before_step()
+            loss_sum = self.forward_backward(self.batches)
+            grad_norm = clip_grad_norm_(params, self.config.training.max_norm,
+                                        pp_mesh.get_group() if pp_mesh else None, self.optimizer)
+            flag = self.nonfinite.flag(loss_sum, grad_norm)
+            self.hooks.before_update()
+        except BaseException:
+            self._abandon_step()
+            raise
+        self.nonfinite.note(self.step + 1, flag)  # noted once the step is sure to be taken
         if skip_update_if(self.optimizer, flag):
             self.update.step()
         self.hooks.after_update()
@@ -55,6 +66,14 @@ class Trainer(Run):
         self.step += 1
         self.hooks.after_step(self.step)
         return StepResult(loss_sum, grad_norm, lr, self.batches.take_wait())
+
+    def _abandon_step(self) -> None:
+        """Drops what a step that raised before its update left: the step hooks' copies and
+        state for it (``StepHook.abandon_step``), every gradient (set to None: the next
+        step's backwards do not add onto a part of this one's) and its data wait."""
+        self.hooks.abandon_step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.batches.take_wait()
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor, float]:
         """``run_step`` with its updates complete: (mean token loss over the global batch,

@@ -24,6 +24,8 @@ otherwise each forward casts its weights again; and each backward adds its weigh
 the weight's ``.grad`` in place (one pass over the fp32 gradient, where autograd casts the bf16
 product to fp32 and then adds that copy). Without it (evaluation, weights sharded by FSDP or
 split by TP or EP) the cast happens inside each forward and the gradient goes through autograd.
+A weight frozen at a step (``requires_grad`` False, read at each step: ``hooks.step_grad``) gets
+no gradient either way, and its product is not computed.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from dtrain.hooks import StepHook
+from dtrain.hooks import StepHook, step_grad
 
 ALIGN = 16  # FP8 grouped GEMMs: rows per group a multiple of this
 E4M3 = torch.float8_e4m3fn
@@ -115,12 +117,11 @@ class GroupedLinear(torch.autograd.Function):
         else:
             grad_a = _fp8_product(grad, operands[2], operands[3], ends,
                                   ctx.mode == "fp8_emulated")
-        grad_weight = torch._grouped_mm(grad.t(), a, offs=ends)  # [E, out, in]
+        grad_weight = None
         if ctx.accumulate:  # into the weight's gradient, in place: one pass, no fp32 copy
-            grad_into.add_(grad_weight)
-            grad_weight = None
-        else:
-            grad_weight = grad_weight.to(ctx.weight_dtype)
+            grad_into.add_(torch._grouped_mm(grad.t(), a, offs=ends))  # [E, out, in]
+        elif ctx.needs_input_grad[1]:  # else a frozen weight: no product
+            grad_weight = torch._grouped_mm(grad.t(), a, offs=ends).to(ctx.weight_dtype)
         return grad_a, grad_weight, None, None, None, *([None] * len(operands))
 
 
@@ -168,8 +169,9 @@ class ExpertWeightCasts(StepHook):
     """Casts the stacked weights of ``experts`` (``GroupedExperts`` modules whose weights are
     whole tensors on the rank: no FSDP, TP nor EP) before each step, for every micro-batch's
     grouped GEMMs, and gives each weight a zero gradient that their backwards add into in
-    place; the casts are dropped before the update. Costs one copy of those weights in the
-    compute dtype for the step (bf16: 2 bytes a parameter, FP8: 2 x 1 byte)."""
+    place (none where frozen: ``step_grad``); the casts are dropped before the update. Costs
+    one copy of those weights in the compute dtype for the step (bf16: 2 bytes a parameter,
+    FP8: 2 x 1 byte)."""
 
     def __init__(self, experts: Sequence[nn.Module], dtype: torch.dtype):
         self.experts, self.dtype = list(experts), dtype
@@ -177,12 +179,12 @@ class ExpertWeightCasts(StepHook):
     def before_step(self) -> None:
         for module in self.experts:
             weights = (module.w1, module.w2, module.w3)
-            for weight in weights:
-                if weight.grad is None:
-                    weight.grad = torch.zeros_like(weight)
-            module.step = [(operands, weight.grad) for operands, weight
+            module.step = [(operands, step_grad(weight)) for operands, weight
                            in zip(module.cast_weights(self.dtype), weights, strict=True)]
 
     def before_update(self) -> None:
         for module in self.experts:
             module.step = None
+
+    def abandon_step(self) -> None:
+        self.before_update()

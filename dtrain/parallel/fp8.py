@@ -221,6 +221,9 @@ class TEFirstMicrobatch(StepHook):
         for linear in self.linears:
             linear._first_microbatch = None
 
+    def abandon_step(self) -> None:
+        self.before_update()
+
 
 def _forward_under_te_autocast(model: nn.Module, te, recipe_name: str) -> None:
     """Runs each forward of ``model`` (of each pipeline stage copied from it) under

@@ -29,8 +29,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from dtrain.hooks import step_grad
 from dtrain.parallel.overlap import StepCopies
-from dtrain.parallel.step_weights import zero_grads
 
 
 def _forward(self, input: torch.Tensor) -> torch.Tensor:
@@ -130,8 +130,9 @@ def cast_weight_t(linear: nn.Module, dtype: torch.dtype | None = None, into_grad
     autograd. ``dtype``: the compute dtype (default the weight's); ``grad_fp32``: the weight
     gradient's product writes fp32 (``fp8_step_matmul``: for a step of one micro-batch, whose
     gradient becomes ``.grad`` as it is); ``accumulate``: the product adds into
-    ``linear.weight.grad`` (which must exist) inside the GEMM, and the FP8 weight gets no
-    gradient through autograd (``fp8_step_matmul``)."""
+    ``linear.weight.grad`` (made zero where there is none: ``step_grad``; None where the weight
+    is frozen) inside the GEMM, and the FP8 weight gets no gradient through autograd
+    (``fp8_step_matmul``). A frozen weight gets no gradient either way."""
     from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole
 
     cast = linear.config.cast_config_weight
@@ -145,7 +146,7 @@ def cast_weight_t(linear: nn.Module, dtype: torch.dtype | None = None, into_grad
                                  gemm_input_role=GemmInputRole.WEIGHT)
             for b in (column_major_bits, bits))
     if accumulate:
-        return weight.t(), column_major.t(), linear.weight.grad
+        return weight.t(), column_major.t(), step_grad(linear.weight)
     weight = _Cast.apply(linear.weight, bits, scale, linear.linear_mm_config,
                          torch.float32 if grad_fp32 else dtype, into_grad)
     return weight.t(), column_major.t(), None
@@ -188,16 +189,8 @@ class StepWeightCast(StepCopies):
         self.accumulate = own_product and not one_micro_batch
         super().__init__(linears, _forward, units)
 
-    def _accumulates(self, linear: nn.Module) -> bool:
-        return self.accumulate and linear.weight.requires_grad
-
     def _cast(self, linears: Sequence[nn.Module]) -> None:
         with torch.enable_grad():
             for linear in linears:
                 linear._step_fp8_weight_t = cast_weight_t(linear, self.dtype, self.into_grad,
-                                                          self.grad_fp32,
-                                                          self._accumulates(linear))
-
-    def before_step(self) -> None:
-        zero_grads([linear for linear in self.linears if self._accumulates(linear)])
-        super().before_step()
+                                                          self.grad_fp32, self.accumulate)

@@ -255,7 +255,7 @@ class StepCopies(StepHook):
     (in the attribute named ``attr``, which ``forward``, the layers' new forward, reads): made
     before the step by ``_cast``, or, given ``units`` (the overlapped step without FSDP), for
     each unit's linears before its first forward (``CastPerUnit``); dropped before the update
-    (the values would be stale after it)."""
+    (the values would be stale after it), or when the step is abandoned."""
 
     attr: str
 
@@ -281,6 +281,9 @@ class StepCopies(StepHook):
             self.per_unit.disarm()
         for linear in self.linears:
             setattr(linear, self.attr, None)
+
+    def abandon_step(self) -> None:
+        self.before_update()
 
 
 def build_update(optimizer: torch.optim.Optimizer, parts: Sequence[nn.Module],

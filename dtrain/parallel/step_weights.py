@@ -24,6 +24,10 @@ thousand of its rows: autograd's backward writes a zeroed fp32 gradient of the w
 (vocabulary x dim: 2.1 GB for Llama 3 8B) every micro-batch, then adds all of it into ``.grad``.
 ``StepEmbeddingGrads`` adds the rows read into ``.grad`` in place instead (``EmbeddingInto``),
 with autograd's sums: each row's gradients in the micro-batch summed in token order, then added.
+
+A weight frozen at a step (``requires_grad`` False, read at each step: ``hooks.step_grad``) gets
+no ``.grad``: its layer's forward uses the step's copy without a weight gradient (a table, its
+own forward), so the optimizer skips it and the clipping norm leaves it out.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dtrain.hooks import step_grad
 from dtrain.log import logger
 from dtrain.parallel.overlap import StepCopies
 
@@ -107,11 +112,16 @@ class LinearInto(torch.autograd.Function):
 
 
 def _forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
-    """``nn.Linear.forward`` with the step's weight and gradient where there are (training),
-    else the module's own (evaluation, or before the first step)."""
+    """``nn.Linear.forward`` with the step's weight and gradient where there are (training; a
+    frozen weight's copy without a gradient), else the module's own (evaluation, or before the
+    first step)."""
     if self._step is None or not torch.is_grad_enabled():
         return type(self).forward(self, input)
-    output = LinearInto.apply(input, *self._step)
+    weight, grad = self._step
+    if grad is None:  # frozen: autocast's product, from the step's copy
+        output = F.linear(input.to(weight.dtype), weight)
+    else:
+        output = LinearInto.apply(input, weight, grad)
     return output if self.bias is None else output + self.bias.to(output.dtype)
 
 
@@ -128,19 +138,12 @@ def step_weight_linears(model_parts: Sequence[nn.Module]) -> list[nn.Linear]:
             and not isinstance(m.weight, DTensor) and uses[id(m.weight)] == 1]
 
 
-def zero_grads(modules: Sequence[nn.Module]) -> None:
-    """Gives each module's weight a zero ``.grad`` where it has none (the start of a step whose
-    backwards add into ``.grad`` in place)."""
-    for module in modules:
-        if module.weight.grad is None:
-            module.weight.grad = torch.zeros_like(module.weight)
-
-
 class StepWeights(StepCopies):
     """Casts the weights of ``linears`` to ``dtype`` before each step and gives each a zero
-    ``.grad`` (where it has none); every micro-batch's forward uses the copies, and its backward
-    adds the weight gradients into ``.grad`` in place (``LinearInto``); the copies are dropped
-    before the update (their values would be stale after it). ``units``: see ``StepCopies``."""
+    ``.grad`` (where it has none; none where frozen: ``step_grad``); every micro-batch's forward
+    uses the copies, and its backward adds the weight gradients into ``.grad`` in place
+    (``LinearInto``); the copies are dropped before the update (their values would be stale
+    after it). ``units``: see ``StepCopies``."""
 
     attr = "_step"
 
@@ -151,11 +154,7 @@ class StepWeights(StepCopies):
 
     def _cast(self, linears: Sequence[nn.Linear]) -> None:
         for linear in linears:
-            linear._step = (linear.weight.detach().to(self.dtype), linear.weight.grad)
-
-    def before_step(self) -> None:
-        zero_grads(self.linears)
-        super().before_step()
+            linear._step = (linear.weight.detach().to(self.dtype), step_grad(linear.weight))
 
 
 class EmbeddingInto(torch.autograd.Function):
@@ -197,7 +196,7 @@ class EmbeddingInto(torch.autograd.Function):
 
 def _embedding_forward(self: nn.Embedding, tokens: torch.Tensor) -> torch.Tensor:
     """``nn.Embedding.forward`` adding into the step's ``.grad`` where there is one (training),
-    else the module's own (evaluation, or before the first step)."""
+    else the module's own (evaluation, before the first step, or the table frozen)."""
     if self._step_grad is None or not torch.is_grad_enabled():
         return type(self).forward(self, tokens)
     return EmbeddingInto.apply(tokens, self.weight, self._step_grad)
@@ -219,9 +218,9 @@ def step_grad_embeddings(model_parts: Sequence[nn.Module]) -> list[nn.Embedding]
 
 
 class StepEmbeddingGrads(StepCopies):
-    """Gives each of ``embeddings`` a zero ``.grad`` before each step (where it has none), into
-    which every micro-batch's backward adds the rows its tokens read (``EmbeddingInto``).
-    ``units``: see ``StepCopies``."""
+    """Gives each of ``embeddings`` a zero ``.grad`` before each step (where it has none; none
+    where frozen: ``step_grad``), into which every micro-batch's backward adds the rows its
+    tokens read (``EmbeddingInto``). ``units``: see ``StepCopies``."""
 
     attr = "_step_grad"
 
@@ -230,8 +229,4 @@ class StepEmbeddingGrads(StepCopies):
 
     def _cast(self, embeddings: Sequence[nn.Embedding]) -> None:
         for embedding in embeddings:
-            embedding._step_grad = embedding.weight.grad
-
-    def before_step(self) -> None:
-        zero_grads(self.linears)
-        super().before_step()
+            embedding._step_grad = step_grad(embedding.weight)
