@@ -164,3 +164,28 @@ def test_the_cuda_kernels_take_non_contiguous_labels_and_refuse_bad_ones():
     x, cache = _rope_inputs("cuda", torch.bfloat16, seq=48)
     with pytest.raises(ValueError, match="rope: x"):
         rope(x, torch.view_as_real(cache))
+
+
+def test_an_unused_log_sum_exp_costs_no_gradient_pass():
+    # The training loss uses the sum alone: the lse's gradient reaches the backward as None
+    # (not a vocabulary-wide zero tensor to multiply in); the lse alone differentiates too.
+    import dtrain.kernels.cross_entropy as ce
+
+    seen = []
+    backward = ce._backward
+
+    def spy(ctx, grad_loss, grad_lse):
+        seen.append((grad_loss is None, grad_lse is None))
+        return backward(ctx, grad_loss, grad_lse)
+
+    ce.cross_entropy_sum.register_autograd(spy, setup_context=ce._setup)
+    try:
+        logits, labels = _logits("cpu", torch.float64)
+        used = logits.clone().requires_grad_()
+        cross_entropy_sum(used, labels)[0].backward()
+        alone = logits.clone().requires_grad_()
+        cross_entropy_sum(alone, labels)[1].sum().backward()
+    finally:
+        ce.cross_entropy_sum.register_autograd(backward, setup_context=ce._setup)
+    assert seen == [(False, True), (True, False)]
+    torch.testing.assert_close(alone.grad, torch.softmax(logits, -1), rtol=1e-6, atol=1e-9)

@@ -56,13 +56,19 @@ def _(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.T
 def _setup(ctx, inputs, output) -> None:
     logits, labels = inputs
     ctx.save_for_backward(logits, labels, output[1])
+    # An output the loss does not use gets None, not a zero tensor: the training loss uses the
+    # sum alone, and a zero lse gradient would cost a vocabulary-wide fp32 pass and its memory.
+    ctx.set_materialize_grads(False)
 
 
-def _backward(ctx, grad_loss: torch.Tensor, grad_lse: torch.Tensor | None):
+def _backward(ctx, grad_loss: torch.Tensor | None, grad_lse: torch.Tensor | None):
     logits, labels, lse = ctx.saved_tensors
-    grad = _logits_grad(logits, labels, lse, grad_loss)
+    grad = None
+    if grad_loss is not None:
+        grad = _logits_grad(logits, labels, lse, grad_loss)
     if grad_lse is not None:  # d lse / d logits = softmax: only where the lse itself is used
-        grad = grad + (grad_lse[:, None] * torch.exp(logits.float() - lse[:, None])).to(grad.dtype)
+        softmax = grad_lse[:, None] * torch.exp(logits.float() - lse[:, None])
+        grad = softmax.to(logits.dtype) if grad is None else grad + softmax.to(grad.dtype)
     return grad, None
 
 
