@@ -259,10 +259,12 @@ class Run:
     def _expert_weight_casts(self) -> ExpertWeightCasts | None:
         """The experts' weights cast once per step, where their grouped GEMMs run and the
         weights are whole on the rank (not gathered by FSDP for each forward nor split by TP or
-        EP, whose gradients are reduced by FSDP's hooks)."""
+        EP, whose gradients are reduced by FSDP's hooks), and not under a pipeline (whose
+        schedules run the micro-batches' backwards apart, as the dense step weights'
+        ``_accumulates_in_place`` also leaves out): there each micro-batch casts its own."""
         dims = self.dims
         if (not self.config.model.moe_cast_weights_once_per_step or dims.fsdp_enabled
-                or dims.tp > 1 or dims.ep > 1):
+                or dims.tp > 1 or dims.ep > 1 or dims.pp > 1):
             return None
         probe = torch.empty(0, device=self.device, dtype=self.compute_dtype)
         experts = [m for part in self.model_parts for m in part.modules()

@@ -1,9 +1,9 @@
 """Expert parallel over gloo reproduces the single-process MoE run (fp32, dropless): equal initial
 weights, per-step losses, gradient norms and aux losses within 1e-5 relative over 5 steps, for
-EP 2, EP 4, EP 2 x FSDP 2 (with activation checkpointing), PP 2 x EP 2 and EP 2 x TP 2; EP 2
-with a sigmoid router and capacity-factor dropping, EP 2 with the grouped GEMMs; EP 2 with FP8
-experts (emulated) at 1e-5 over its first two steps, then within measured bounds on the drift
-of FP8 rounding (see the test)."""
+EP 2, EP 4, EP 2 x FSDP 2 (with activation checkpointing), PP 2 x EP 2 and EP 2 x TP 2; PP 2
+with the grouped GEMMs; EP 2 with a sigmoid router and capacity-factor dropping, EP 2 with the
+grouped GEMMs; EP 2 with FP8 experts (emulated) at 1e-5 over its first two steps, then within
+measured bounds on the drift of FP8 rounding (see the test)."""
 
 from dataclasses import dataclass
 
@@ -71,9 +71,13 @@ def test_expert_parallel_over_two_ranks(tmp_path, moe_reference):
     fp8 = {"fp8.enabled": True, "fp8.emulate": True}
     single_fp8 = Trainer(load_config("debug", {
         **MOE, **fp8, "job.output_dir": str(tmp_path / "ref_fp8")})).train()
-    plain, dropping, grouped, experts_fp8 = run_distributed(tmp_path, 2, specs(
+    # PP 2 with the grouped GEMMs and whole experts on each stage (where the expert weights
+    # would be cast once per step, were it not a pipeline).
+    plain, dropping, grouped, experts_fp8, pipelined = run_distributed(tmp_path, 2, specs(
         tmp_path, [{"parallel.ep": 2}, {"parallel.ep": 2, **variant},
-                   {"parallel.ep": 2, "model.moe_gemm": "grouped"}, {"parallel.ep": 2, **fp8}]))
+                   {"parallel.ep": 2, "model.moe_gemm": "grouped"}, {"parallel.ep": 2, **fp8},
+                   {"parallel.pp": 2, "parallel.dp_shard": 1, "model.moe_gemm": "grouped"}]))
+    assert_same_moe_run(pipelined, moe_reference, "pp2 grouped")
     assert_same_moe_run(plain, moe_reference, "ep2")
     assert_same_moe_run(dropping, single, "ep2 sigmoid capacity 1.0")
     assert_same_moe_run(grouped, moe_reference, "ep2 grouped")

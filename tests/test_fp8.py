@@ -632,3 +632,20 @@ def test_fp8_blocks_compile_without_mix_order_reductions(monkeypatch, fp8_enable
     expected = ({"triton.mix_order_reduction": False} if fp8_enabled else {}) | (
         {"coordinate_descent_tuning": True} if tune_kernels else {})
     assert all(kw["options"] == (expected or None) for kw in blocks)
+
+
+@pytest.mark.parametrize("emulate", [True, False])
+def test_the_accumulating_weight_gradient_product_honours_fp8_emulate(emulate):
+    # On a GPU, several micro-batches a step add each FP8 weight-gradient product into .grad
+    # inside cuBLASLt's FP8 GEMM; under fp8.emulate every product is computed in high precision
+    # (GPUs without FP8 units included), this one too. Decided from the layers' own config.
+    from types import SimpleNamespace
+
+    from dtrain.parallel.fp8_step_matmul import accumulates_in_the_gemm
+
+    model = build("llama3_debug", device="meta", n_layers=1)
+    fp8_module.convert_to_fp8(model, FP8Config(enabled=True, emulate=emulate), fsdp=False)
+    config = model.layers["0"].attention.wq.config
+    on_a_gpu = SimpleNamespace(is_cuda=True)  # a CUDA gradient's one property read here
+    assert accumulates_in_the_gemm(on_a_gpu, config) is (not emulate)
+    assert not accumulates_in_the_gemm(torch.zeros(1), config)  # the CPU: torchao's product

@@ -51,11 +51,20 @@ def _as(tensor: Float8TrainingTensor, dtype: torch.dtype) -> Float8TrainingTenso
                                 gemm_input_role=tensor._gemm_input_role)
 
 
+def accumulates_in_the_gemm(grad: torch.Tensor, config) -> bool:
+    """Whether the weight gradient's FP8 product adds into ``grad`` inside a real FP8 GEMM (a
+    CUDA gradient, and FP8 not emulated: ``fp8.emulate`` computes every product in high
+    precision, this one included, so that it runs on GPUs without FP8 too)."""
+    return grad.is_cuda and not config.emulate
+
+
 def _accumulate_grad_weight(grad: torch.Tensor, grad_fp8: Float8TrainingTensor,
                            input_fp8: Float8TrainingTensor, config) -> None:
     """``grad += grad_fp8.t() @ input_fp8`` in place: the weight gradient's product of the FP8
     gradient and input, added into the weight's fp32 ``.grad`` (on the GPU in the GEMM)."""
-    if not grad.is_cuda:  # torchao's emulated product (bf16 under autocast), then the add
+    if not accumulates_in_the_gemm(grad, config):
+        # torchao's product (emulated on the CPU or under fp8.emulate; bf16 under autocast),
+        # then the add
         grad.add_(torch.mm(grad_fp8.t(), input_fp8))
         return
     from dtrain.parallel.cublaslt import accumulate_scaled_mm
