@@ -153,7 +153,7 @@ def build_model(cfg: Config, dims: ParallelDims, mesh: DeviceMesh | None, device
     to split over tp), converted to FP8 (``cfg.fp8``), split into this rank's pipeline stages
     (``microbatches`` per step) and parallelized over ``mesh``. Nothing is materialised: the
     trainer calls ``to_empty`` and ``init_weights``; the dry run counts the local shards. The
-    config is assumed checked (``dtrain.validate.validate``)."""
+    config is assumed checked (``dtrain.checks.validate``)."""
     args = model_args_of(cfg.model, microbatches)
     # The embedding and output rows: at least the tokenizer's, padded so they split evenly
     # over tensor-parallel ranks; labels never use the padding rows.

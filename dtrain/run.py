@@ -27,6 +27,7 @@ from dtrain.build import (
     world_size,
 )
 from dtrain.checkpoint import Checkpointer, load_model_weights, resumable
+from dtrain.checks import validate
 from dtrain.config import Config
 from dtrain.errors import Preempted
 from dtrain.hooks import Hooks, StepHook
@@ -65,7 +66,6 @@ from dtrain.step import (
     fused_cross_entropy_sum,
     step_context,
 )
-from dtrain.validate import validate
 from dtrain.validation import Validator
 from dtrain.watchdog import HangWatchdog, collective_timeout_s, nccl_debug_env
 

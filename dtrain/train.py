@@ -1,7 +1,7 @@
 """``python -m dtrain.train --recipe NAME [--section.key value ...]``: train a recipe, print its
 resolved config, or dry-run one rank of it.
 
-Under torchrun every rank runs this; the config is checked (``dtrain.validate``) before the
+Under torchrun every rank runs this; the config is checked (``dtrain.checks``) before the
 process group exists, so a config error is one ``error:`` line from each rank and exit code 2.
 The trainer itself is ``dtrain.trainer.Trainer``.
 """

@@ -124,8 +124,8 @@ def test_expert_parallel_takes_whole_context_parallel_groups():
 
 
 def test_selective_checkpointing_is_refused_with_expert_parallel(tmp_path):
-    # The check runs before any process group or mesh exists (dtrain.validate).
-    from dtrain.validate import validate
+    # The check runs before any process group or mesh exists (dtrain.checks).
+    from dtrain.checks import validate
 
     cfg = load_config("debug", {**MOE, "parallel.ep": 2, "activation_checkpoint.mode": "op"})
     with pytest.raises(ConfigError, match="mode = 'op' is not available with parallel.ep > 1"):

@@ -4,7 +4,7 @@ its field's type and range.
 ``load_config`` reads a recipe, applies overrides such as ``--training.steps 100`` or
 ``--parallel.tp=2``, checks every value and returns a ``Config``. What a config means for the world
 size it runs on (degrees, divisibility, feature compatibility) is checked by
-``dtrain.validate.validate`` before any process group exists.
+``dtrain.checks.validate`` before any process group exists.
 """
 
 from __future__ import annotations

@@ -144,14 +144,14 @@ def dry_run(cfg: Config, world_size: int | None = None, rank: int = 0,
             constants: Constants = H200, budget: Budget = Budget()) -> DryRunReport:
     """Builds rank ``rank`` of ``cfg`` at ``world_size`` (default: ``default_world_size``) on a
     fake process group and reports its bytes against ``budget``. The config is checked first, as
-    the trainer checks it (``dtrain.validate``), then the inputs a launch opens
+    the trainer checks it (``dtrain.checks``), then the inputs a launch opens
     (``check_inputs``); the model is built by the trainer's own builders (``dtrain.build``).
     Raises ConfigError for a layout the trainer refuses or a missing input. The process group is
     destroyed before returning."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from dtrain.build import batch_arithmetic, build_model
-    from dtrain.validate import validate
+    from dtrain.checks import validate
 
     world_size = world_size or default_world_size(cfg)
     if not 0 <= rank < world_size:

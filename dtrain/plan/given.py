@@ -1,6 +1,6 @@
 """The layout a user runs, for the planner to score (``python -m dtrain.plan --recipe NAME``,
 ``--layout SPEC``): the workload and layout of a recipe, a layout string, or both (the string
-changes the recipe's settings), checked as the trainer checks a config (``dtrain.validate``),
+changes the recipe's settings), checked as the trainer checks a config (``dtrain.checks``),
 and where that layout ranks among every layout the planner knows.
 """
 
@@ -9,10 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dtrain.build import batch_arithmetic, model_args_of
+from dtrain.checks import validate
 from dtrain.config import Config, ConfigError, load_config
 from dtrain.parallel.pipeline import SINGLE_STAGE
 from dtrain.plan.memory import Layout, Workload
-from dtrain.validate import validate
 
 # --layout key -> the config field it sets.
 LAYOUT_KEYS = {
