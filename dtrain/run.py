@@ -34,7 +34,6 @@ from dtrain.hooks import Hooks, StepHook
 from dtrain.log import logger, setup_logging
 from dtrain.lr_schedule import LRSchedule, describe_lr_schedule
 from dtrain.metrics import MetricsLogger, StepMetrics
-from dtrain.models.grouped_gemm import ExpertWeightCasts
 from dtrain.models.moe import GroupedExperts
 from dtrain.nonfinite import NonFiniteSteps
 from dtrain.optim import build_optimizer
@@ -52,6 +51,7 @@ from dtrain.parallel.fsdp import AutoReshard, fsdp_units_on_gpu
 from dtrain.parallel.overlap import OverlappedStep, build_update
 from dtrain.parallel.pipeline import Pipeline, ideal_bubble
 from dtrain.parallel.step_weights import (
+    ExpertWeightCasts,
     StepEmbeddingGrads,
     StepWeights,
     step_grad_embeddings,

@@ -11,9 +11,8 @@ import torch
 
 from dtrain import Trainer, load_config
 from dtrain.hooks import StepHook
-from dtrain.models.grouped_gemm import ExpertWeightCasts
 from dtrain.parallel.fp8_step_cast import StepWeightCast
-from dtrain.parallel.step_weights import StepEmbeddingGrads, StepWeights
+from dtrain.parallel.step_weights import ExpertWeightCasts, StepEmbeddingGrads, StepWeights
 
 # Several micro-batches a step (4 of 1 sequence), so the in-place accumulation applies.
 TINY = {"training.device": "cpu", "training.mixed_precision": "bf16", "model.n_layers": 1,

@@ -92,3 +92,15 @@ def test_no_file_function_or_class_is_too_long():
             if limit and node.end_lineno - node.lineno + 1 > limit:
                 too_long.append(f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
     assert not too_long, too_long
+
+
+def test_the_model_imports_no_training_code():
+    """``dtrain.models`` is a plain model: it imports only itself, ``dtrain.kernels`` and
+    ``dtrain.dtensor``; what training does to it (step casts, FP8, parallel plans) is applied
+    from outside."""
+    known = set(modules())
+    allowed = ("dtrain.models", "dtrain.kernels", "dtrain.dtensor")
+    reached = {name: sorted(i for i in imports_of(path, known)
+                            if i != "dtrain" and not i.startswith(allowed))
+               for name, path in modules().items() if name.startswith("dtrain.models")}
+    assert {name: found for name, found in reached.items() if found} == {}

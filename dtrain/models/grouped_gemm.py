@@ -18,14 +18,15 @@ as an operand cast from the parameter (``cast_weight``):
   depend on the counts, so nothing is read on the host. ``fp8_emulated`` computes the same
   rounded values in fp32 (on the CPU: tests, and machines without FP8 units).
 
-``ExpertWeightCasts`` casts every expert weight once before each optimizer step: every micro-batch's
+``ExpertWeightCasts`` (``dtrain.parallel.step_weights``: a step hook of the training) casts
+every expert weight once before each optimizer step (``step_cast_weight``): every micro-batch's
 forward and backward then use that operand (the weights do not change inside a step), where
 otherwise each forward casts its weights again; and each backward adds its weight gradient into
 the weight's ``.grad`` in place (one pass over the fp32 gradient, where autograd casts the bf16
 product to fp32 and then adds that copy). Without it (evaluation, weights sharded by FSDP or
 split by TP or EP) the cast happens inside each forward and the gradient goes through autograd.
-A weight frozen at a step (``requires_grad`` False, read at each step: ``hooks.step_grad``) gets
-no gradient either way, and its product is not computed.
+A weight frozen at a step (``requires_grad`` False, read at each step) gets no gradient either way,
+and its product is not computed.
 """
 
 from __future__ import annotations
@@ -33,9 +34,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from torch import nn
-
-from dtrain.hooks import StepHook, step_grad
 
 ALIGN = 16  # FP8 grouped GEMMs: rows per group a multiple of this
 E4M3 = torch.float8_e4m3fn
@@ -163,28 +161,3 @@ def unpad_groups(out: torch.Tensor, dest: torch.Tensor, counts: torch.Tensor) ->
     (nothing is defined there: the grouped GEMMs write only their groups)."""
     valid = (torch.arange(dest.numel(), device=out.device) < counts.sum()).unsqueeze(1)
     return torch.where(valid, out[dest], 0)
-
-
-class ExpertWeightCasts(StepHook):
-    """Casts the stacked weights of ``experts`` (``GroupedExperts`` modules whose weights are
-    whole tensors on the rank: no FSDP, TP nor EP) before each step, for every micro-batch's
-    grouped GEMMs, and gives each weight a zero gradient that their backwards add into in
-    place (none where frozen: ``step_grad``); the casts are dropped before the update. Costs
-    one copy of those weights in the compute dtype for the step (bf16: 2 bytes a parameter,
-    FP8: 2 x 1 byte)."""
-
-    def __init__(self, experts: Sequence[nn.Module], dtype: torch.dtype):
-        self.experts, self.dtype = list(experts), dtype
-
-    def before_step(self) -> None:
-        for module in self.experts:
-            weights = (module.w1, module.w2, module.w3)
-            module.step = [(operands, step_grad(weight)) for operands, weight
-                           in zip(module.cast_weights(self.dtype), weights, strict=True)]
-
-    def before_update(self) -> None:
-        for module in self.experts:
-            module.step = None
-
-    def abandon_step(self) -> None:
-        self.before_update()

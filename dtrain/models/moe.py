@@ -21,9 +21,10 @@ A token's hidden state goes to ``top_k`` of ``n_experts`` SwiGLU experts chosen 
   matrix (``dtrain.models.grouped_gemm``: ``torch._grouped_mm``, fast in bf16 on CUDA sm90+;
   FP8 with ``fp8.experts``) or a loop over experts elsewhere. They compute in the compute dtype
   (autocast's under autocast): the routed tokens and each stacked weight are cast whole, the
-  weights once per optimizer step (``grouped_gemm.ExpertWeightCasts``) or else in each forward,
-  and each weight's gradient is one stacked tensor from the grouped GEMM's backward (no
-  per-expert ``select`` in autograd, no host sync).
+  weights once per optimizer step (set from outside by the training's
+  ``dtrain.parallel.step_weights.ExpertWeightCasts``) or else in each forward, and each
+  weight's gradient is one stacked tensor from the grouped GEMM's backward (no per-expert
+  ``select`` in autograd, no host sync).
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: 
     ``plain`` (``x``'s dtype; rows past ``counts.sum()`` unspecified in the output), or ``fp8`` /
     ``fp8_emulated`` on groups padded to multiples of 16 rows on the device
     (``grouped_gemm.pad_groups``; rows past ``counts.sum()`` zero). ``step``: each weight's cast
-    operands and gradient for the step (``grouped_gemm.ExpertWeightCasts``)."""
+    operands and gradient for the step (``dtrain.parallel.step_weights.ExpertWeightCasts``)."""
     if mode == "plain":
         rows, ends = x, torch.cumsum(counts, 0, dtype=torch.int32)
     else:
@@ -95,8 +96,8 @@ class GroupedExperts(nn.Module):
         self.gemm = gemm  # auto (grouped where fast), grouped, loop
         # "fp8" or "fp8_emulated" for FP8 grouped GEMMs (set by dtrain.parallel.fp8)
         self.fp8: str | None = None
-        # The step's cast weights and their gradients (grouped_gemm.ExpertWeightCasts), else
-        # cast in each forward.
+        # The step's cast weights and their gradients (set by the training's
+        # dtrain.parallel.step_weights.ExpertWeightCasts), else cast in each forward.
         self.step: list | None = None
         self.w1 = nn.Parameter(torch.empty(n_experts, hidden, dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))

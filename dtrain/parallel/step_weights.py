@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dtrain.hooks import step_grad
+from dtrain.hooks import StepHook, step_grad
 from dtrain.log import logger
 from dtrain.parallel.overlap import StepCopies
 
@@ -230,3 +230,28 @@ class StepEmbeddingGrads(StepCopies):
     def _cast(self, embeddings: Sequence[nn.Embedding]) -> None:
         for embedding in embeddings:
             embedding._step_grad = step_grad(embedding.weight)
+
+
+class ExpertWeightCasts(StepHook):
+    """Casts the stacked weights of ``experts`` (``GroupedExperts`` modules whose weights are
+    whole tensors on the rank: no FSDP, TP nor EP) before each step, for every micro-batch's
+    grouped GEMMs, and gives each weight a zero gradient that their backwards add into in
+    place (none where frozen: ``step_grad``); the casts are dropped before the update. Costs
+    one copy of those weights in the compute dtype for the step (bf16: 2 bytes a parameter,
+    FP8: 2 x 1 byte)."""
+
+    def __init__(self, experts: Sequence[nn.Module], dtype: torch.dtype):
+        self.experts, self.dtype = list(experts), dtype
+
+    def before_step(self) -> None:
+        for module in self.experts:
+            weights = (module.w1, module.w2, module.w3)
+            module.step = [(operands, step_grad(weight)) for operands, weight
+                           in zip(module.cast_weights(self.dtype), weights, strict=True)]
+
+    def before_update(self) -> None:
+        for module in self.experts:
+            module.step = None
+
+    def abandon_step(self) -> None:
+        self.before_update()
