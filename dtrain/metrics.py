@@ -110,7 +110,7 @@ class MetricsLogger:
         self.cfg, self.run_dir, self.enabled = cfg, run_dir, enabled
         self.jsonl_path = run_dir / "metrics.jsonl"
         self.tensorboard_dir = run_dir / "tb" / run_dir.name  # the run folder is the job's name
-        self._purge, self._resume_step = resume_step, resume_step
+        self._purge = resume_step
         self._config_toml = config_toml  # written once, at the first open
         self._writer: TensorBoardWriter | None = None
         self._jsonl = None
@@ -139,7 +139,7 @@ class MetricsLogger:
     def _open_tensorboard(self, purge: int) -> None:
         config, self._config_toml = self._config_toml, ""
         self._writer = TensorBoardWriter(self.tensorboard_dir, purge + 1 if purge else None,
-                                         config, config_step=self._resume_step)
+                                         config, config_step=purge)
 
     def _to_file(self, path: Path, write: Callable[..., object], *args) -> None:
         """``write(*args)``, a write to ``path`` in the run folder, unless one failed before.

@@ -12,6 +12,7 @@ from dtrain.build import batch_arithmetic, model_args_of
 from dtrain.checks import validate
 from dtrain.config import Config, ConfigError, load_config
 from dtrain.parallel.pipeline import SINGLE_STAGE
+from dtrain.plan.dry_run import layout_of
 from dtrain.plan.memory import Layout, Workload
 
 # --layout key -> the config field it sets.
@@ -68,9 +69,6 @@ def given_layout(recipe: str | None, spec: str | None, model: str | None, gpus: 
     layout string ``spec``, or of ``spec`` for ``model``; the GPUs are ``gpus`` or the product
     of the degrees. Raises ConfigError (one line: the problem and the fix) for a layout the
     trainer refuses."""
-    # Imported here: dry_run imports the planner, which imports this module.
-    from dtrain.plan.dry_run import layout_of
-
     base: dict[str, object] = {}
     if recipe is None:
         base = {"model.name": model, "compile.enabled": True, "activation_checkpoint.mode": "op"}

@@ -1,20 +1,18 @@
 """A dry run's predicted peak over its memory budget, answered with the planner's choice.
 
 ``check_budget`` turns a ``DryRunReport`` whose peak is over the budget's usable memory into one
-ConfigError that names the layout the planner (``planner.plan``, ``planner.evaluate``) finds
+ConfigError that names the layout the planner (``planner.plan_like``) finds
 fastest among those that fit the same GPUs, with the command-line overrides that select it.
 (Apart from ``dry_run``, which the planner's own modules import: no import cycle.)
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from dtrain.config import Config, ConfigError
 from dtrain.plan.constants import H200, Constants
 from dtrain.plan.dry_run import DryRunReport
 from dtrain.plan.memory import GIB, Layout, Workload
-from dtrain.plan.planner import Candidate, Cluster, evaluate, plan
+from dtrain.plan.planner import Candidate, Cluster, plan_like
 
 
 def check_budget(report: DryRunReport, cfg: Config, gpus_per_node: int = 8,
@@ -50,13 +48,10 @@ def check_budget(report: DryRunReport, cfg: Config, gpus_per_node: int = 8,
 def planner_choice(work: Workload, current: Layout, cluster: Cluster,
                    constants: Constants) -> Candidate | None:
     """The fastest layout other than ``current`` that fits ``cluster``, among the planner's
-    (``planner.plan``), each evaluated with ``current``'s compile and FP8 settings; None if none
-    fits."""
-    keep = {"compiled": current.compiled, "fp8": current.fp8}
-    cands = [evaluate(work, replace(x.layout, **keep), cluster, constants)
-             for x in plan(work, cluster, constants)]
-    fits = [x for x in cands if not x.excluded and x.layout != current]
-    return min(fits, key=lambda x: x.time.step, default=None)
+    layouts with ``current``'s compile, FP8 and CP exchange (``planner.plan_like``); None if
+    none fits."""
+    return next((x for x in plan_like(work, cluster, current, constants)
+                 if not x.excluded and x.layout != current), None)
 
 
 _FLAGS = {"tp": "parallel.tp", "pp": "parallel.pp", "pp_schedule": "parallel.pp_schedule",
