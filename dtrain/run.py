@@ -30,33 +30,18 @@ from dtrain.checkpoint import Checkpointer, load_model_weights, resumable
 from dtrain.checks import validate
 from dtrain.config import Config
 from dtrain.errors import Preempted
-from dtrain.hooks import Hooks, StepHook
+from dtrain.hooks import Hooks
 from dtrain.log import logger, setup_logging
 from dtrain.lr_schedule import LRSchedule, describe_lr_schedule
 from dtrain.metrics import MetricsLogger, StepMetrics
-from dtrain.models.moe import GroupedExperts
 from dtrain.nonfinite import NonFiniteSteps
 from dtrain.optim import build_optimizer
 from dtrain.parallel.compile import inductor_options
 from dtrain.parallel.expert import MoEStats, moe_layers
-from dtrain.parallel.fp8 import (
-    ScaleRefresh,
-    TEFirstMicrobatch,
-    UnitScales,
-    eager_fp8_warning,
-    te_linears,
-)
-from dtrain.parallel.fp8_step_cast import StepWeightCast, step_cast_linears
+from dtrain.parallel.fp8 import UnitScales, eager_fp8_warning, fp8_step_hooks
 from dtrain.parallel.fsdp import AutoReshard, fsdp_units_on_gpu
 from dtrain.parallel.overlap import OverlappedStep, build_update
 from dtrain.parallel.pipeline import Pipeline, ideal_bubble
-from dtrain.parallel.step_weights import (
-    ExpertWeightCasts,
-    StepEmbeddingGrads,
-    StepWeights,
-    step_grad_embeddings,
-    step_weight_linears,
-)
 from dtrain.preemption import Preemption, forget_preemption, restart_after_preemption
 from dtrain.run_folder import RunFolder
 from dtrain.step import (
@@ -66,6 +51,7 @@ from dtrain.step import (
     fused_cross_entropy_sum,
     step_context,
 )
+from dtrain.step_weights import StepPlan, step_weight_hooks
 from dtrain.validation import Validator
 from dtrain.watchdog import HangWatchdog, collective_timeout_s, nccl_debug_env
 
@@ -203,11 +189,9 @@ class Run:
             self.checkpointer,
             MoEStats(moe, args.n_layers, args.n_experts, groups, cfg.model.moe_bias_update_rate,
                      skip_first=self.pipeline is not None) if moe else None,
-            ScaleRefresh(self.model_parts) if self.fp8_all_gather and not overlap else None,
-            self._step_weight_cast(),
-            self._step_weights(),
-            self._step_embedding_grads(),
-            self._expert_weight_casts(),
+            *fp8_step_hooks(self.model_parts, cfg.fp8, self.dims.fsdp_enabled,
+                            self.fp8_all_gather, overlap),
+            *step_weight_hooks(self.model_parts, self._step_plan()),
             AutoReshard(self.model, self.device, cfg.parallel.fsdp_auto_memory_fraction,
                         self.compute_dtype)
             if cfg.parallel.fsdp_reshard_after_forward == "auto" and units_on_gpu else None,
@@ -223,53 +207,18 @@ class Run:
                 and dims.pp == 1 and not self.model.args.n_experts
                 and not (fp8.enabled and fp8.backend == "te"))
 
-    def _cast_units(self) -> list[torch.nn.Module]:
-        """The units whose weights the step hooks cast before each one's first forward (the
-        overlapped step without FSDP); none otherwise (the casts run before the step)."""
-        return self.overlapped_step.modules if self.overlapped_step is not None else []
-
-    def _step_weight_cast(self) -> StepHook | None:
-        fp8 = self.config.fp8
-        if not (fp8.enabled and fp8.cast_weights_once_per_step):
-            return None
-        if fp8.backend == "te":
-            linears = te_linears(self.model_parts)
-            return TEFirstMicrobatch(linears) if linears and not self.dims.fsdp_enabled else None
-        linears = step_cast_linears(self.model_parts)
-        return StepWeightCast(linears, self.compute_dtype, into_grad=self.pipeline is None,
-                              units=self._cast_units(),
-                              one_micro_batch=self.grad_accum == 1) if linears else None
-
-    def _accumulates_in_place(self) -> bool:
-        """``model.cast_weights_once_per_step`` applies: gradient accumulation where autocast
-        computes on fp32 weights whole on the rank (no FSDP nor pipeline)."""
-        return (self.config.model.cast_weights_once_per_step and self.grad_accum > 1
-                and self.autocast and self.pipeline is None)
-
-    def _step_weights(self) -> StepWeights | None:
-        """The bf16 linears' weights cast once per step, their gradients added in place."""
-        linears = step_weight_linears(self.model_parts) if self._accumulates_in_place() else []
-        return StepWeights(linears, self.compute_dtype, self._cast_units()) if linears else None
-
-    def _step_embedding_grads(self) -> StepEmbeddingGrads | None:
-        """The token embeddings' gradients added in place, row by row."""
-        tables = step_grad_embeddings(self.model_parts) if self._accumulates_in_place() else []
-        return StepEmbeddingGrads(tables, self._cast_units()) if tables else None
-
-    def _expert_weight_casts(self) -> ExpertWeightCasts | None:
-        """The experts' weights cast once per step, where their grouped GEMMs run and the
-        weights are whole on the rank (not gathered by FSDP for each forward nor split by TP or
-        EP, whose gradients are reduced by FSDP's hooks), and not under a pipeline (whose
-        schedules run the micro-batches' backwards apart, as the dense step weights'
-        ``_accumulates_in_place`` also leaves out): there each micro-batch casts its own."""
-        dims = self.dims
-        if (not self.config.model.moe_cast_weights_once_per_step or dims.fsdp_enabled
-                or dims.tp > 1 or dims.ep > 1 or dims.pp > 1):
-            return None
-        probe = torch.empty(0, device=self.device, dtype=self.compute_dtype)
-        experts = [m for part in self.model_parts for m in part.modules()
-                   if isinstance(m, GroupedExperts) and m.grouped(probe)]
-        return ExpertWeightCasts(experts, self.compute_dtype) if experts else None
+    def _step_plan(self) -> StepPlan:
+        """What decides which weights ``dtrain.step_weights`` casts once per step."""
+        cfg, dims = self.config, self.dims
+        return StepPlan(
+            compute_dtype=self.compute_dtype, micro_batches=self.grad_accum,
+            autocast=self.autocast, pipeline=self.pipeline is not None,
+            whole_weights=not dims.fsdp_enabled and dims.tp == 1 and dims.ep == 1,
+            # the overlapped step without FSDP: each unit's casts wait for its update
+            units=self.overlapped_step.modules if self.overlapped_step is not None else (),
+            linears=cfg.model.cast_weights_once_per_step,
+            experts=cfg.model.moe_cast_weights_once_per_step,
+            fp8=cfg.fp8.enabled and cfg.fp8.backend != "te" and cfg.fp8.cast_weights_once_per_step)
 
     def _build_reporting(self) -> None:
         cfg, tcfg = self.config, self.config.training

@@ -1,4 +1,4 @@
-"""The FP8 GEMM that adds into its fp32 output (``dtrain.parallel.cublaslt``): its arithmetic,
+"""The FP8 GEMM that adds into its fp32 output (``dtrain.kernels.cublaslt``): its arithmetic,
 its checks, its use inside compiled graphs, and (on a GPU with FP8) cuBLASLt's result."""
 
 import re
@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 
-from dtrain.parallel.cublaslt import accumulate_scaled_mm
+from dtrain.kernels.cublaslt import accumulate_scaled_mm
 
 FP8_GPU = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
@@ -96,7 +96,7 @@ def test_wrong_operands_are_named(bad, message):
 def test_without_cublaslt_the_product_is_added_after_a_warning(monkeypatch):
     """cuBLASLt that does not load (here a path that is not there): one warning names it, and
     the sum is still right (``_scaled_mm``'s fp32 product added afterwards)."""
-    from dtrain.parallel import cublaslt
+    from dtrain.kernels import cublaslt
 
     monkeypatch.setattr(cublaslt, "_library_path", lambda: "/nonexistent/libcublasLt.so.13")
     for cached in (cublaslt._lib, cublaslt._works):

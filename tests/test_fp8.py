@@ -28,7 +28,6 @@ from dtrain.config import ConfigError, FP8Config
 from dtrain.hooks import StepHook
 from dtrain.models import build
 from dtrain.parallel import fp8 as fp8_module
-from dtrain.parallel import fp8_step_cast
 from dtrain.parallel.fp8 import (
     check_fp8,
     convert_to_fp8,
@@ -36,8 +35,10 @@ from dtrain.parallel.fp8 import (
     fp8_filter,
     require_backend,
 )
-from dtrain.parallel.fp8_step_cast import step_cast_linears
 from dtrain.parallel.tensor import block_plan, top_plan
+from dtrain.step_weights import fp8_cast as fp8_step_cast
+from dtrain.step_weights.copies import step_copy
+from dtrain.step_weights.fp8_cast import step_cast_linears
 
 BLOCK_LINEARS = ["attention.wq", "attention.wk", "attention.wv", "attention.wo",
                  "feed_forward.w1", "feed_forward.w2", "feed_forward.w3"]
@@ -458,7 +459,7 @@ def test_the_step_s_fp8_weight_is_a_fresh_cast_at_every_micro_batch_bit_for_bit(
         fresh = hp_tensor_to_float8_dynamic(module.weight.t(), torch.float8_e4m3fn,
                                             module.linear_mm_config,
                                             gemm_input_role=GemmInputRole.WEIGHT)
-        reused, for_grad_input, _ = module._step_fp8_weight_t
+        reused, for_grad_input, _ = step_copy(module)
         for step_weight in (reused, for_grad_input):
             assert torch.equal(step_weight._data.view(torch.uint8),
                                fresh._data.view(torch.uint8))
@@ -485,7 +486,7 @@ def test_one_micro_batch_s_weight_gradient_is_the_fp32_product_of_torchao_s_oper
 
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    from dtrain.parallel.fp8_step_cast import StepWeightCast
+    from dtrain.step_weights.fp8_cast import StepWeightCast
 
     torch.manual_seed(0)
     model = convert_to_float8_training(nn.Sequential(nn.Linear(64, 96, bias=False)),
@@ -519,7 +520,7 @@ def test_one_micro_batch_s_weight_gradient_is_the_fp32_product_of_torchao_s_oper
 @pytest.mark.parametrize("batch,grad_fp32", [(1, True), (4, False)])
 def test_the_run_writes_fp32_weight_gradients_only_with_one_micro_batch(tmp_path, batch,
                                                                         grad_fp32):
-    from dtrain.parallel.fp8_step_cast import StepWeightCast
+    from dtrain.step_weights.fp8_cast import StepWeightCast
 
     trainer = Trainer(load_config("debug", {**STEP_CAST, "training.global_batch_size": batch,
                                             "job.output_dir": str(tmp_path)}))
@@ -549,7 +550,7 @@ def test_compiled_blocks_add_the_fp8_weight_gradients_into_grad(tmp_path, fp8_ou
     layer (``fp8.filter_fqns = []``) is compiled as the blocks are; a bf16 one is not."""
     from torch._dynamo.eval_frame import OptimizedModule
 
-    from dtrain.parallel.fp8_step_cast import StepWeightCast
+    from dtrain.step_weights.fp8_cast import StepWeightCast
 
     grads = {}
     for compiled in (False, True):
@@ -561,8 +562,8 @@ def test_compiled_blocks_add_the_fp8_weight_gradients_into_grad(tmp_path, fp8_ou
         hook = next(h for h in trainer.hooks.hooks if isinstance(h, StepWeightCast))
         assert hook.accumulate
         assert any(n.split(".")[0] == "output" for n, m in trainer.model.named_modules()
-                   if m in hook.linears) == fp8_output
-        for linear in hook.linears:
+                   if m in hook.layers) == fp8_output
+        for linear in hook.layers:
             linear.weight.register_hook(lambda g: pytest.fail("autograd gave a weight gradient"))
         grab = GradsBeforeUpdate(trainer.model)
         trainer.hooks.hooks.append(grab)
@@ -641,7 +642,7 @@ def test_the_accumulating_weight_gradient_product_honours_fp8_emulate(emulate):
     # (GPUs without FP8 units included), this one too. Decided from the layers' own config.
     from types import SimpleNamespace
 
-    from dtrain.parallel.fp8_step_matmul import accumulates_in_the_gemm
+    from dtrain.step_weights.fp8_matmul import accumulates_in_the_gemm
 
     model = build("llama3_debug", device="meta", n_layers=1)
     fp8_module.convert_to_fp8(model, FP8Config(enabled=True, emulate=emulate), fsdp=False)

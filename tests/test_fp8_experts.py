@@ -13,6 +13,7 @@ from dtrain.models import build
 from dtrain.models.grouped_gemm import grouped_linear, pad_groups, rowwise_fp8, unpad_groups
 from dtrain.models.moe import GroupedExperts, grouped_swiglu, looped_swiglu
 from dtrain.parallel.fp8 import convert_to_fp8
+from dtrain.step_weights.copies import step_copy
 from dtrain.trainer import Trainer
 
 
@@ -135,7 +136,7 @@ def test_expert_weights_cast_once_per_step_train_exactly_as_casting_in_each_forw
         for m in trainer.model.modules():
             if isinstance(m, GroupedExperts):
                 m.register_forward_pre_hook(
-                    lambda module, args, seen=seen: seen.append(module.step is not None))
+                    lambda module, args, seen=seen: seen.append(step_copy(module) is not None))
         records = trainer.train()
         weights = {k: v.clone() for k, v in trainer.model.state_dict().items()}
         runs[once] = ([(r["loss"], r["grad_norm"]) for r in records], weights, seen)

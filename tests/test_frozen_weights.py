@@ -11,8 +11,9 @@ import torch
 
 from dtrain import Trainer, load_config
 from dtrain.hooks import StepHook
-from dtrain.parallel.fp8_step_cast import StepWeightCast
-from dtrain.parallel.step_weights import ExpertWeightCasts, StepEmbeddingGrads, StepWeights
+from dtrain.step_weights.experts import StepExpertWeights
+from dtrain.step_weights.fp8_cast import StepWeightCast
+from dtrain.step_weights.linears import StepEmbeddingGrads, StepLinearWeights
 
 # Several micro-batches a step (4 of 1 sequence), so the in-place accumulation applies.
 TINY = {"training.device": "cpu", "training.mixed_precision": "bf16", "model.n_layers": 1,
@@ -61,9 +62,9 @@ def train_with_a_frozen_interval(overrides: dict, name: str, hook_type: type | N
 
 
 @pytest.mark.parametrize(("overrides", "name", "hook_type"), [
-    (TINY, "layers.0.attention.wq.weight", StepWeights),
+    (TINY, "layers.0.attention.wq.weight", StepLinearWeights),
     (TINY, "tok_embeddings.weight", StepEmbeddingGrads),
-    (MIXTRAL, "layers.0.feed_forward.experts.w1", ExpertWeightCasts),
+    (MIXTRAL, "layers.0.feed_forward.experts.w1", StepExpertWeights),
     (FP8, "layers.0.attention.wq.weight", StepWeightCast),
 ], ids=["linear", "embedding", "expert", "fp8_linear"])
 def test_a_weight_frozen_between_steps_gets_no_gradient_and_trains_again_unfrozen(

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dtrain import Trainer, load_config
-from dtrain.parallel.overlap import StepCopies
+from dtrain.step_weights.copies import StepCopies, step_copy
 
 TINY = {"model.n_layers": 1, "training.seq_len": 32, "training.global_batch_size": 4,
         "training.micro_batch_size": 1, "metrics.tensorboard": False}  # 4 micro-batches a step
@@ -48,8 +48,8 @@ def test_an_interrupted_step_leaves_nothing_behind_for_the_next(tmp_path, change
     assert raised.value is interrupt  # re-raised unchanged
     assert interrupted.step == 0
     assert [name for name, p in interrupted.model.named_parameters() if p.grad is not None] == []
-    assert [(type(hook).__name__, layer) for hook in copies for layer in hook.linears
-            if getattr(layer, hook.attr) is not None] == []
+    assert [(type(hook).__name__, layer) for hook in copies for layer in hook.layers
+            if step_copy(layer) is not None] == []
 
     # The interrupted step took micro-batches 1 and 2; the next step takes the next four.
     reference.batches.next()

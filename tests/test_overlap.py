@@ -134,15 +134,15 @@ def test_block_by_block_step_with_casts_per_block_trains_exactly_as_the_whole_st
     takes the whole step, the block-by-block path is switched on for the test. On the GPU,
     where attention's backward may sum in a different order from run to run, the whole step
     runs twice: where those two differ, the overlapped run may differ from them by as much."""
-    from dtrain.parallel.fp8_step_cast import StepWeightCast
-    from dtrain.parallel.step_weights import StepWeights
     from dtrain.run import Run
+    from dtrain.step_weights.fp8_cast import StepWeightCast
+    from dtrain.step_weights.linears import StepLinearWeights
 
     if device == "cpu":
         monkeypatch.setattr(Run, "_whole_dense_on_gpu", lambda self: True)
     layout = {"bf16": {"training.mixed_precision": "bf16"},
               "fp8": {"fp8.enabled": True, "fp8.emulate": device == "cpu"}}[precision]
-    hook_type = StepWeights if precision == "bf16" else StepWeightCast
+    hook_type = StepLinearWeights if precision == "bf16" else StepWeightCast
     runs = {}
     for overlap in (True, False) + ((None,) if device == "cuda" else ()):
         trainer = Trainer(load_config("debug", {

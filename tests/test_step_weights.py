@@ -1,4 +1,4 @@
-"""Weights cast once per step with in-place gradient accumulation (dtrain.parallel.step_weights):
+"""Weights cast once per step with in-place gradient accumulation (dtrain.step_weights):
 bf16 autocast on fp32 weights on the CPU trains bit for bit as autocast's own casts and autograd's
 accumulation, and the step's copies are what every micro-batch uses."""
 
@@ -9,13 +9,14 @@ import torch
 from torch import nn
 
 from dtrain import Trainer, load_config
-from dtrain.parallel import step_weights
-from dtrain.parallel.fp8_step_cast import add_into_grad
-from dtrain.parallel.step_weights import (
+from dtrain.kernels.accumulate import accumulate_matmul, gemm_accumulates
+from dtrain.step_weights import linears
+from dtrain.step_weights.copies import step_copy
+from dtrain.step_weights.fp8_cast import add_into_grad
+from dtrain.step_weights.linears import (
     EmbeddingInto,
     StepEmbeddingGrads,
-    StepWeights,
-    accumulate_matmul,
+    StepLinearWeights,
     step_grad_embeddings,
     step_weight_linears,
 )
@@ -25,8 +26,8 @@ BF16 = {"training.device": "cpu", "training.mixed_precision": "bf16", "model.n_l
         "training.steps": 3, "metrics.log_every": 1, "metrics.tensorboard": False}
 
 
-def _hook(trainer: Trainer) -> StepWeights | None:
-    return next((h for h in trainer.hooks.hooks if isinstance(h, StepWeights)), None)
+def _hook(trainer: Trainer) -> StepLinearWeights | None:
+    return next((h for h in trainer.hooks.hooks if isinstance(h, StepLinearWeights)), None)
 
 
 def test_casting_once_per_step_trains_exactly_as_autocast_and_autograd(tmp_path, monkeypatch):
@@ -37,24 +38,24 @@ def test_casting_once_per_step_trains_exactly_as_autocast_and_autograd(tmp_path,
             "job.output_dir": str(tmp_path / str(once))}))
         hook = _hook(trainer)
         assert (hook is not None) is once
-        tables = next((h.linears for h in trainer.hooks.hooks
+        tables = next((h.layers for h in trainer.hooks.hooks
                        if isinstance(h, StepEmbeddingGrads)), [])
         assert tables == ([trainer.model.tok_embeddings] if once else [])
         grads_seen, products = {}, []
         if once:
             # 7 linears a block and the output layer; the embedding is no linear
-            assert len(hook.linears) == 2 * 7 + 1
-            real = step_weights.accumulate_matmul
-            monkeypatch.setattr(step_weights, "accumulate_matmul",
+            assert len(hook.layers) == 2 * 7 + 1
+            real = linears.accumulate_matmul
+            monkeypatch.setattr(linears, "accumulate_matmul",
                                 lambda total, a, b, real=real, products=products:
                                 products.append(a.dtype) or real(total, a, b))
 
             def seen(module, args, grads_seen=grads_seen):  # the step's copy in each forward
-                weight, grad = module._step
+                weight, grad = step_copy(module)
                 assert weight.dtype == torch.bfloat16 and grad is module.weight.grad
                 grads_seen.setdefault(id(module), []).append(id(grad))
 
-            for linear in hook.linears:
+            for linear in hook.layers:
                 linear.register_forward_pre_hook(seen)
         history = trainer.train()
         monkeypatch.undo()
@@ -156,9 +157,9 @@ def test_on_the_gpu_the_gemm_accumulates_into_the_fp32_gradient():
     b = torch.randn(1024, 256, device="cuda", dtype=torch.bfloat16)
     exact = total + a.double() @ b.double()
     rounded = total + (a @ b).float()  # the product rounded to bf16 first, as autograd sums it
-    step_weights._gemm_accumulates.cache_clear()
+    gemm_accumulates.cache_clear()
     with torch.autocast("cuda", dtype=torch.bfloat16):  # as in training: backward under autocast
         accumulate_matmul(total, a, b)
-    assert step_weights._gemm_accumulates(total.device)
+    assert gemm_accumulates(total.device)
     error, rounded_error = ((t.double() - exact).abs().max() for t in (total, rounded))
     assert error < rounded_error / 4  # summed in fp32: well under bf16's rounding of the product

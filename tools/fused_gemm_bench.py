@@ -6,7 +6,7 @@ Megatron-LM keeps q, k and v in one weight (``linear_qkv``) and gate and up in a
 (``linear_fc1``); dtrain's model keeps the five apart (as Hugging Face's checkpoints do). This
 times, for both layouts, the forward product, the input gradient's and the weight gradient's
 (added into an fp32 gradient as the step's accumulation does), in FP8 (``torch._scaled_mm`` and
-``dtrain.parallel.cublaslt``, torchao's layouts and fast-accumulation settings) and in bf16
+``dtrain.kernels.cublaslt``, torchao's layouts and fast-accumulation settings) and in bf16
 (``torch.mm`` and ``torch.addmm(..., out_dtype=torch.float32, out=grad)``). Each figure is the
 mean of 30 calls after 5, measured twice; the separate and fused runs alternate.
 """
@@ -18,7 +18,7 @@ import functools
 
 import torch
 
-from dtrain.parallel.cublaslt import accumulate_scaled_mm
+from dtrain.kernels.cublaslt import accumulate_scaled_mm
 
 DIM, FFN, KV = 4096, 14336, 1024
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2

@@ -7,7 +7,7 @@ For each linear's forward (``x @ W^T``), input gradient (``dy @ W``) and weight 
 (``grad += dy^T @ x`` into fp32, as the step weights' accumulation does), it times ``torch.mm`` /
 ``torch.addmm`` with cuBLAS, the same with torch's cuBLASLt path, cuBLASLt's first heuristic
 algorithm, and the fastest of up to 32 it lists (called through ``ctypes`` on the cuBLASLt
-torch loaded, as ``dtrain.parallel.cublaslt``). Each figure is the mean of 30 calls after 5.
+torch loaded, as ``dtrain.kernels.cublaslt``). Each figure is the mean of 30 calls after 5.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import ctypes
 import torch
 from fused_gemm_bench import timed  # tools/ is the script's own folder
 
-from dtrain.parallel import cublaslt
+from dtrain.kernels import cublaslt
 
 DIM, FFN, KV, VOCAB = 4096, 14336, 1024, 128256
 _BF16, _FP32 = 14, 0  # cudaDataType_t

@@ -80,7 +80,7 @@ class ModelConfig:
     accumulation: cast the linear layers' weights to bf16 once per optimizer step, for every
     micro-batch (one copy for the step: 2 bytes a parameter), and add each micro-batch's weight
     gradients into the fp32 gradients in place, the token embedding's only for the rows its
-    tokens read (``dtrain.parallel.step_weights``)."""
+    tokens read (``dtrain.step_weights``)."""
     moe_cast_weights_once_per_step: bool = True
     """MoE with the grouped GEMM (or FP8 experts), expert weights whole on each rank (no FSDP,
     TP nor EP): cast the stacked expert weights to the compute dtype (bf16 or FP8) once per

@@ -18,15 +18,11 @@ as an operand cast from the parameter (``cast_weight``):
   depend on the counts, so nothing is read on the host. ``fp8_emulated`` computes the same
   rounded values in fp32 (on the CPU: tests, and machines without FP8 units).
 
-``ExpertWeightCasts`` (``dtrain.parallel.step_weights``: a step hook of the training) casts
-every expert weight once before each optimizer step (``step_cast_weight``): every micro-batch's
-forward and backward then use that operand (the weights do not change inside a step), where
-otherwise each forward casts its weights again; and each backward adds its weight gradient into
-the weight's ``.grad`` in place (one pass over the fp32 gradient, where autograd casts the bf16
-product to fp32 and then adds that copy). Without it (evaluation, weights sharded by FSDP or
-split by TP or EP) the cast happens inside each forward and the gradient goes through autograd.
-A weight frozen at a step (``requires_grad`` False, read at each step) gets no gradient either way,
-and its product is not computed.
+The operands come from ``GroupedExperts.weight_operands`` (``dtrain.models.moe``): cast in each
+forward, or by a variant once per optimizer step (``step_cast_weight``: every micro-batch's
+forward and backward then use that operand, and each backward adds its weight gradient into the
+weight's ``.grad`` in place, ``grad_into``). A weight frozen at a step (``requires_grad`` False,
+read at each step) gets no gradient either way, and its product is not computed.
 """
 
 from __future__ import annotations
@@ -124,11 +120,12 @@ class GroupedLinear(torch.autograd.Function):
 
 
 def grouped_linear(a: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor, mode: str,
-                   step: tuple[Sequence[torch.Tensor], torch.Tensor] | None = None
+                   given: tuple[Sequence[torch.Tensor], torch.Tensor | None] | None = None
                    ) -> torch.Tensor:
-    """``GroupedLinear`` with the step's operands and gradient (``ExpertWeightCasts``) where
-    given, else casting ``weight`` and returning its gradient."""
-    operands, grad_into = step if step is not None else (cast_weight(weight, mode, a.dtype), None)
+    """``GroupedLinear`` with the given operands and the gradient to add into (None: returned)
+    where given, else casting ``weight`` and returning its gradient."""
+    operands, grad_into = given if given is not None else (cast_weight(weight, mode, a.dtype),
+                                                           None)
     return GroupedLinear.apply(a, weight, ends, mode, grad_into, *operands)
 
 

@@ -20,11 +20,11 @@ A token's hidden state goes to ``top_k`` of ``n_experts`` SwiGLU experts chosen 
   ``w2``: ``[E, dim, hidden]``), computed on tokens sorted by expert with one grouped GEMM per
   matrix (``dtrain.models.grouped_gemm``: ``torch._grouped_mm``, fast in bf16 on CUDA sm90+;
   FP8 with ``fp8.experts``) or a loop over experts elsewhere. They compute in the compute dtype
-  (autocast's under autocast): the routed tokens and each stacked weight are cast whole, the
-  weights once per optimizer step (set from outside by the training's
-  ``dtrain.parallel.step_weights.ExpertWeightCasts``) or else in each forward, and each
-  weight's gradient is one stacked tensor from the grouped GEMM's backward (no per-expert
-  ``select`` in autograd, no host sync).
+  (autocast's under autocast): the routed tokens and each stacked weight are cast whole, and
+  each weight's gradient is one stacked tensor from the grouped GEMM's backward (no per-expert
+  ``select`` in autograd, no host sync). The weights' operands come from one seam,
+  ``GroupedExperts.weight_operands``: cast in each forward here; a variant overrides it (the
+  training's weights cast once per optimizer step, ``dtrain.step_weights.experts``).
 """
 
 from __future__ import annotations
@@ -38,7 +38,13 @@ from torch import nn
 
 from dtrain.dtensor import local
 from dtrain.models.feed_forward import FeedForward
-from dtrain.models.grouped_gemm import grouped_linear, pad_groups, step_cast_weight, unpad_groups
+from dtrain.models.grouped_gemm import (
+    cast_weight,
+    grouped_linear,
+    pad_groups,
+    step_cast_weight,
+    unpad_groups,
+)
 
 
 def grouped_mm_available(x: torch.Tensor) -> bool:
@@ -55,18 +61,20 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                   w3: torch.Tensor, mode: str = "plain", step: list | None = None) -> torch.Tensor:
+                   w3: torch.Tensor, mode: str = "plain",
+                   operands: list | None = None) -> torch.Tensor:
     """SwiGLU of each expert on its rows of ``x`` (rows sorted by expert, ``counts[e]`` rows for
     expert e) with grouped GEMMs (``grouped_gemm.GroupedLinear``): no host sync. ``mode``:
     ``plain`` (``x``'s dtype; rows past ``counts.sum()`` unspecified in the output), or ``fp8`` /
     ``fp8_emulated`` on groups padded to multiples of 16 rows on the device
-    (``grouped_gemm.pad_groups``; rows past ``counts.sum()`` zero). ``step``: each weight's cast
-    operands and gradient for the step (``dtrain.parallel.step_weights.ExpertWeightCasts``)."""
+    (``grouped_gemm.pad_groups``; rows past ``counts.sum()`` zero). ``operands``: each weight's
+    cast operands and the gradient its backward adds into (``GroupedExperts.weight_operands``),
+    else each weight cast here."""
     if mode == "plain":
         rows, ends = x, torch.cumsum(counts, 0, dtype=torch.int32)
     else:
         rows, ends, dest = pad_groups(x, counts)
-    op1, op2, op3 = step or (None, None, None)
+    op1, op2, op3 = operands or (None, None, None)
     h = (F.silu(grouped_linear(rows, w1, ends, mode, op1))
          * grouped_linear(rows, w3, ends, mode, op3))
     out = grouped_linear(h, w2, ends, mode, op2)
@@ -96,9 +104,6 @@ class GroupedExperts(nn.Module):
         self.gemm = gemm  # auto (grouped where fast), grouped, loop
         # "fp8" or "fp8_emulated" for FP8 grouped GEMMs (set by dtrain.parallel.fp8)
         self.fp8: str | None = None
-        # The step's cast weights and their gradients (set by the training's
-        # dtrain.parallel.step_weights.ExpertWeightCasts), else cast in each forward.
-        self.step: list | None = None
         self.w1 = nn.Parameter(torch.empty(n_experts, hidden, dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim))
@@ -109,15 +114,25 @@ class GroupedExperts(nn.Module):
             self.gemm == "auto" and grouped_mm_available(x))
 
     def cast_weights(self, dtype: torch.dtype) -> list[tuple[torch.Tensor, ...]]:
-        """The operands of ``w1``, ``w2``, ``w3`` for the grouped GEMMs in ``dtype`` (or FP8)."""
+        """The operands of ``w1``, ``w2``, ``w3`` for the grouped GEMMs in ``dtype`` (or FP8),
+        cast outside autograd by one compiled kernel each on the GPU."""
         return [step_cast_weight(local(w), self.fp8 or "plain", dtype)
                 for w in (self.w1, self.w2, self.w3)]
 
+    def weight_operands(self, dtype: torch.dtype
+                        ) -> list[tuple[tuple[torch.Tensor, ...], torch.Tensor | None]]:
+        """The seam of the grouped GEMMs: for ``w1``, ``w2``, ``w3``, the operands in ``dtype``
+        (or FP8) and the fp32 gradient their backward adds into in place (None: the gradient
+        goes to the weight through autograd). Here each forward casts its own; a variant
+        overrides this (the weights cast once per step, ``dtrain.step_weights.experts``)."""
+        mode = self.fp8 or "plain"
+        return [(cast_weight(local(w), mode, dtype), None) for w in (self.w1, self.w2, self.w3)]
+
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         w1, w2, w3 = local(self.w1), local(self.w2), local(self.w3)
-        step = self.step if torch.is_grad_enabled() else None
         if self.grouped(x):
-            return grouped_swiglu(x, counts, w1, w2, w3, self.fp8 or "plain", step)
+            return grouped_swiglu(x, counts, w1, w2, w3, self.fp8 or "plain",
+                                  self.weight_operands(x.dtype))
         # Whole stacked casts (fp32 weights under autocast): their backward is one cast of the
         # stacked gradient, where autocast would cast each expert's slice inside the loop.
         return looped_swiglu(x, counts, *(w.to(x.dtype) for w in (w1, w2, w3)))

@@ -210,6 +210,10 @@ class TEFirstMicrobatch(StepHook):
     (TE casts its weight to FP8 there and reuses the cast for the rest of the step). For
     weights whole on the rank: under FSDP each forward gathers them anew."""
 
+    def describe(self) -> str:
+        return (f"{len(self.linears)} Transformer Engine linears cast to FP8 once per step "
+                f"(TE's first micro-batch)")
+
     def __init__(self, linears: Sequence[nn.Module]):
         self.linears = list(linears)
 
@@ -303,6 +307,21 @@ class ScaleRefresh(StepHook):
 
     def after_update(self) -> None:
         precompute_fp8_scales(self.model_parts)
+
+
+def fp8_step_hooks(model_parts: Sequence[nn.Module], cfg: FP8Config, fsdp: bool,
+                   all_gather: bool, overlap: bool) -> list[StepHook]:
+    """The step hooks of FP8 outside ``dtrain.step_weights``: Transformer Engine's first
+    micro-batch flag (its own weight cast once per step, for weights whole on the rank: under
+    FSDP each forward gathers them anew), and the FP8 all-gather's scales after the whole
+    optimizer step (the overlapped step refreshes them unit by unit: ``UnitScales``)."""
+    hooks: list[StepHook] = []
+    if cfg.enabled and cfg.backend == "te" and cfg.cast_weights_once_per_step and not fsdp:
+        if linears := te_linears(model_parts):
+            hooks.append(TEFirstMicrobatch(linears))
+    if all_gather and not overlap:
+        hooks.append(ScaleRefresh(model_parts))
+    return hooks
 
 
 @torch.compile(fullgraph=True, dynamic=False)

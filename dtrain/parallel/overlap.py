@@ -28,7 +28,6 @@ forward instead (``CastPerUnit``), after that wait.
 from __future__ import annotations
 
 import contextlib
-import types
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -36,7 +35,6 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from dtrain.dtensor import local
-from dtrain.hooks import StepHook
 
 
 def fsdp_units(parts: Sequence[nn.Module]) -> list[tuple[object, list[nn.Parameter]]]:
@@ -211,79 +209,6 @@ class OverlappedStep:
         ctx = getattr(self.units[0][0], "_comm_ctx", None)
         return all(hasattr(ctx, name) for name in ("all_gather_copy_in_stream",
                                                    "all_gather_stream"))
-
-
-class CastPerUnit:
-    """A step hook's weight casts, deferred from before the step to each unit's first forward
-    of the step (``OverlappedStep`` without FSDP: the unit's update may still be running when
-    the step starts; its forward pre-hook, which runs first, has made the compute stream wait
-    for it). ``arm()`` before the step, ``disarm()`` before the update; ``cast(members)`` is
-    called once per armed step for the ``members`` (modules) inside each unit, outside
-    autocast, as a cast before the step runs."""
-
-    def __init__(self, units: Sequence[nn.Module], members: Sequence[nn.Module],
-                 cast: Callable[[list[nn.Module]], None]):
-        self.cast = cast
-        self.due: set[int] = set()
-        wanted = {id(m) for m in members}
-        self.members: dict[int, list[nn.Module]] = {}
-        for unit in units:
-            inside = [m for m in unit.modules() if id(m) in wanted]
-            if inside:
-                self.members[id(unit)] = inside
-                unit.register_forward_pre_hook(self._before_forward)
-        if sum(len(ms) for ms in self.members.values()) != len(wanted):
-            raise ValueError("CastPerUnit: some modules are outside every unit")
-
-    def arm(self) -> None:
-        self.due = set(self.members)
-
-    def disarm(self) -> None:
-        self.due = set()
-
-    def _before_forward(self, unit: nn.Module, args) -> None:
-        if id(unit) in self.due:
-            self.due.discard(id(unit))
-            members = self.members[id(unit)]
-            device_type = next(members[0].parameters()).device.type
-            with torch.autocast(device_type, enabled=False):
-                self.cast(members)
-
-
-class StepCopies(StepHook):
-    """Base of the step hooks that give each of ``linears`` a copy of its weight for the step
-    (in the attribute named ``attr``, which ``forward``, the layers' new forward, reads): made
-    before the step by ``_cast``, or, given ``units`` (the overlapped step without FSDP), for
-    each unit's linears before its first forward (``CastPerUnit``); dropped before the update
-    (the values would be stale after it), or when the step is abandoned."""
-
-    attr: str
-
-    def __init__(self, linears: Sequence[nn.Module], forward: Callable,
-                 units: Sequence[nn.Module] = ()):
-        self.linears = list(linears)
-        for linear in self.linears:
-            setattr(linear, self.attr, None)
-            linear.forward = types.MethodType(forward, linear)
-        self.per_unit = CastPerUnit(units, self.linears, self._cast) if units else None
-
-    def _cast(self, linears: Sequence[nn.Module]) -> None:
-        raise NotImplementedError
-
-    def before_step(self) -> None:
-        if self.per_unit is not None:
-            self.per_unit.arm()
-        else:
-            self._cast(self.linears)
-
-    def before_update(self) -> None:
-        if self.per_unit is not None:
-            self.per_unit.disarm()
-        for linear in self.linears:
-            setattr(linear, self.attr, None)
-
-    def abandon_step(self) -> None:
-        self.before_update()
 
 
 def build_update(optimizer: torch.optim.Optimizer, parts: Sequence[nn.Module],

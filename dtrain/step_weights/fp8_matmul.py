@@ -1,4 +1,4 @@
-"""torchao's FP8 matmul with the step's FP8 weight given twice (``dtrain.parallel.fp8_step_cast``).
+"""torchao's FP8 matmul with the step's FP8 weight given twice (``dtrain.step_weights.fp8_cast``).
 
 ``_scaled_mm`` takes its second operand column-major. The forward's weight operand (the weight
 transposed) is; the input gradient's (the weight itself) is not, so torchao's backward transposes
@@ -13,7 +13,7 @@ high-precision dtype): the compute dtype as torchao does, or fp32 where the step
 micro-batch's gradient becomes the fp32 ``.grad`` as it is (torchao's product writes the compute
 dtype, which autograd would then cast to an fp32 copy). The same FP8 operands, the same scales;
 the product is kept in fp32 rather than rounded to bf16. With several micro-batches a step, the
-product is added into the fp32 ``.grad`` inside the GEMM (``dtrain.parallel.cublaslt``: cuBLASLt
+product is added into the fp32 ``.grad`` inside the GEMM (``dtrain.kernels.cublaslt``: cuBLASLt
 with beta = 1, the sum in fp32 in its epilogue, as Transformer Engine's weight-gradient GEMM adds
 into Megatron's main gradients), where torchao's product would be written in bf16 and a second
 pass would add it (10 bytes per parameter a micro-batch; on the CPU, which has no FP8 GEMM,
@@ -67,7 +67,7 @@ def _accumulate_grad_weight(grad: torch.Tensor, grad_fp8: Float8TrainingTensor,
         # then the add
         grad.add_(torch.mm(grad_fp8.t(), input_fp8))
         return
-    from dtrain.parallel.cublaslt import accumulate_scaled_mm
+    from dtrain.kernels.cublaslt import accumulate_scaled_mm
 
     # _scaled_mm's layouts, as torchao's product makes them: the first operand row-major, the
     # second column-major; the scales' inverses turn the FP8 values back into real ones.

@@ -30,19 +30,19 @@ import torch
 from torch import nn
 
 from dtrain.hooks import step_grad
-from dtrain.parallel.overlap import StepCopies
+from dtrain.step_weights.copies import StepCopies
 
 
 def _forward(self, input: torch.Tensor) -> torch.Tensor:
     """``Float8Linear.forward`` with the step's FP8 weight where there is one (training), else
     torchao's own (evaluation, or before the first step)."""
-    if self._step_fp8_weight_t is None or not torch.is_grad_enabled():
+    if self._step is None or not torch.is_grad_enabled():
         return type(self).forward(self, input)
     if torch.is_autocast_enabled():  # as torchao's forward: the input in the autocast dtype
         input = input.to(torch.get_autocast_dtype("cuda"))
-    from dtrain.parallel.fp8_step_matmul import MatmulWithStepWeight
+    from dtrain.step_weights.fp8_matmul import MatmulWithStepWeight
 
-    output = MatmulWithStepWeight.apply(input, *self._step_fp8_weight_t, self.linear_mm_config,
+    output = MatmulWithStepWeight.apply(input, *self._step, self.linear_mm_config,
                                         self.config)
     if self.bias is not None:
         output = output + self.bias.to(output.dtype)
@@ -176,11 +176,9 @@ class StepWeightCast(StepCopies):
     fp32 ``.grad`` (``accumulate``), both where ``into_grad`` and all the layers' casts allow
     (``fp8_step_matmul``); ``units``: see ``StepCopies``."""
 
-    attr = "_step_fp8_weight_t"
-
     def __init__(self, linears: Sequence[nn.Module], dtype: torch.dtype, into_grad: bool,
                  units: Sequence[nn.Module] = (), one_micro_batch: bool = False):
-        from dtrain.parallel.fp8_step_matmul import own_weight_grad_product_supported
+        from dtrain.step_weights.fp8_matmul import own_weight_grad_product_supported
 
         self.dtype, self.into_grad = dtype, into_grad
         own_product = into_grad and all(own_weight_grad_product_supported(m.config)
@@ -189,8 +187,15 @@ class StepWeightCast(StepCopies):
         self.accumulate = own_product and not one_micro_batch
         super().__init__(linears, _forward, units)
 
-    def _cast(self, linears: Sequence[nn.Module]) -> None:
+    def cast(self, linears: Sequence[nn.Module]) -> None:
         with torch.enable_grad():
             for linear in linears:
-                linear._step_fp8_weight_t = cast_weight_t(linear, self.dtype, self.into_grad,
-                                                          self.grad_fp32, self.accumulate)
+                linear._step = cast_weight_t(linear, self.dtype, self.into_grad, self.grad_fp32,
+                                             self.accumulate)
+
+    def describe(self) -> str:
+        grads = ("added into fp32 .grad in the GEMM" if self.accumulate
+                 else "written in fp32 as .grad" if self.grad_fp32
+                 else "added into .grad in place" if self.into_grad else "through autograd")
+        return (f"{len(self.layers)} FP8 linears cast once per step, their weight gradients "
+                f"{grads}")
