@@ -24,9 +24,11 @@ from dtrain.config import (
 )
 from dtrain.data.loader import Prefetcher, build_loader
 from dtrain.data.tokenizer import Tokenizer, padded_vocab_size
+from dtrain.lr_schedule import LRSchedule
 from dtrain.metrics import model_flops_per_token
 from dtrain.models import LlamaArgs, Transformer, model_args
-from dtrain.parallel import ParallelDims, parallelize
+from dtrain.optim import build_optimizer
+from dtrain.parallel import ParallelDims, describe_parallelize, parallelize
 from dtrain.parallel.fp8 import convert_to_fp8, fp8_all_gather, fuse_fp8_weight_cast
 from dtrain.parallel.pipeline import parse_layout, split_model, stages_of_rank
 
@@ -138,6 +140,7 @@ class BuiltModel:
     compute_dtype: torch.dtype
     fp8_layers: tuple[list[str], list[str], list[str]] | None
     fp8_all_gather: bool
+    features: list[str]  # the start-up summary's lines of what parallelize applied
 
 
 def compute_dtype(cfg: TrainingConfig, device_type: str) -> torch.dtype:
@@ -181,8 +184,18 @@ def build_model(cfg: Config, dims: ParallelDims, mesh: DeviceMesh | None, device
                          dtype, cfg.fp8, cfg.training.seq_len) for part in parts]
     if all_gather and cfg.fp8.fused_weight_cast:
         fuse_fp8_weight_cast(parts)
+    features = describe_parallelize(dims, cfg.parallel, cfg.activation_checkpoint, cfg.compile,
+                                    cfg.fp8, fp8_layers, all_gather)
     return BuiltModel(parts, stage_indices, num_stages, num_params, flops, dtype, fp8_layers,
-                      all_gather)
+                      all_gather, features)
+
+
+def build_optimizer_and_schedule(cfg: Config, parts: list[torch.nn.Module], device_type: str
+                                  ) -> tuple[torch.optim.Optimizer, LRSchedule]:
+    """The optimizer of ``cfg.optimizer`` over ``parts`` and its learning-rate schedule
+    (``cfg.lr_schedule`` over ``cfg.training.steps``)."""
+    optimizer = build_optimizer(parts, cfg.optimizer, device_type)
+    return optimizer, LRSchedule(optimizer, cfg.lr_schedule, cfg.training.steps, cfg.optimizer.lr)
 
 
 def build_tokenizer(cfg: DataConfig) -> Tokenizer:

@@ -130,6 +130,10 @@ class Checkpointer(StepHook):
         self._staging: Future | None = None
         self._stager = None
 
+    def describe(self) -> str:
+        return (f"checkpoints: every {self.cfg.interval} steps"
+                f"{' (async)' if self.cfg.async_save else ''}, last {self.cfg.keep_last} kept")
+
     def should_save(self, step: int) -> bool:
         return step % self.cfg.interval == 0 or step == self.total_steps
 

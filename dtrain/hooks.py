@@ -41,6 +41,11 @@ class StepHook:
         """Figures of the last step for its log record (called only when the step is logged)."""
         return {}
 
+    def describe(self) -> str | None:
+        """What this hook does to the run, in one line of its start-up summary (None: nothing
+        worth a line)."""
+        return None
+
 
 class Hooks(StepHook):
     """Several hooks called in the order given."""
@@ -67,6 +72,10 @@ class Hooks(StepHook):
     def abandon_step(self) -> None:
         for hook in self.hooks:
             hook.abandon_step()
+
+    def describe_each(self) -> list[str]:
+        """Each hook's start-up line, where it has one."""
+        return [line for hook in self.hooks if (line := hook.describe())]
 
     def record(self, step: int) -> dict[str, Any]:
         merged: dict[str, Any] = {}

@@ -93,6 +93,10 @@ class LRSchedule(torch.optim.lr_scheduler.LambdaLR):
         super().__init__(optimizer, lambda n: lr_factor(n + 1, self.cfg, self.total_steps,
                                                          self.peak_lr))
 
+    def describe(self) -> str:
+        """The schedule in words for the start-up line (``describe_lr_schedule``)."""
+        return describe_lr_schedule(self.cfg, self.peak_lr, self.total_steps)
+
     def settings(self) -> dict[str, str | float | int]:
         """What the learning rate of each step depends on."""
         c = self.cfg

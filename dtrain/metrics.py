@@ -117,6 +117,10 @@ class MetricsLogger:
         self._last_step = resume_step
         self._files_failed = False
 
+    def describe(self) -> str | None:
+        """The start-up summary's line: how to open TensorBoard (None without it)."""
+        return self.tensorboard_command if self.cfg.tensorboard else None
+
     @property
     def tensorboard_command(self) -> str:
         """How to see this run in TensorBoard, and where to look."""

@@ -114,3 +114,6 @@ class WholeStep:
 
     def wait(self) -> None:
         pass
+
+    def describe(self) -> None:
+        return None

@@ -26,7 +26,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dtrain.errors import EXIT_PREEMPTED
+from dtrain.errors import EXIT_PREEMPTED, Preempted
+from dtrain.log import logger
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 NOTE = "preempted.json"
@@ -109,6 +110,14 @@ def restart_after_preemption(run_dir: Path) -> str | None:
     return (f"{note.get('signal')}: this job was preempted after step {note.get('step')}; "
             f"torchrun restarted it (attempt {attempt}), which stops at once with exit code "
             f"{EXIT_PREEMPTED}: launch the job again to resume from its checkpoint")
+
+
+def stop_if_restarted_after_preemption(run_dir: Path) -> None:
+    """Raises ``Preempted`` with ``restart_after_preemption``'s line (logged) where there is
+    one: the first thing a run does."""
+    if message := restart_after_preemption(run_dir):
+        logger.info(message)
+        raise Preempted(message)
 
 
 def forget_preemption(run_dir: Path) -> None:

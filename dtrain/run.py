@@ -20,6 +20,7 @@ from dtrain.build import (
     batch_arithmetic,
     build_loaders,
     build_model,
+    build_optimizer_and_schedule,
     build_tokenizer,
     data_settings,
     init_distributed,
@@ -29,20 +30,24 @@ from dtrain.build import (
 from dtrain.checkpoint import Checkpointer, load_model_weights, resumable
 from dtrain.checks import validate
 from dtrain.config import Config
-from dtrain.errors import Preempted
 from dtrain.hooks import Hooks
 from dtrain.log import logger, setup_logging
-from dtrain.lr_schedule import LRSchedule, describe_lr_schedule
 from dtrain.metrics import MetricsLogger, StepMetrics
 from dtrain.nonfinite import NonFiniteSteps
-from dtrain.optim import build_optimizer
-from dtrain.parallel.compile import inductor_options
-from dtrain.parallel.expert import MoEStats, moe_layers
-from dtrain.parallel.fp8 import UnitScales, eager_fp8_warning, fp8_step_hooks
-from dtrain.parallel.fsdp import AutoReshard, fsdp_units_on_gpu
-from dtrain.parallel.overlap import OverlappedStep, build_update
-from dtrain.parallel.pipeline import Pipeline, ideal_bubble
-from dtrain.preemption import Preemption, forget_preemption, restart_after_preemption
+from dtrain.parallel import (
+    AutoReshard,
+    MoEStats,
+    OverlappedStep,
+    Pipeline,
+    UnitScales,
+    build_update,
+    eager_fp8_warning,
+    fp8_step_hooks,
+    fsdp_units_on_gpu,
+    inductor_options,
+    moe_layers,
+)
+from dtrain.preemption import Preemption, forget_preemption, stop_if_restarted_after_preemption
 from dtrain.run_folder import RunFolder
 from dtrain.step import (
     Accumulation,
@@ -73,9 +78,7 @@ class Run:
             nccl_debug_env(self.run_dir, int(os.environ.get("RANK", "0")))
         self.rank, self.world_size = init_distributed(device, timeout)
         setup_logging(self.rank)
-        if message := restart_after_preemption(self.run_dir):
-            logger.info(message)
-            raise Preempted(message)
+        stop_if_restarted_after_preemption(self.run_dir)
         # Host-side agreements (preemption, checkpoint checks) over CPU tensors: no device sync.
         self.cpu_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout)) \
             if self.world_size > 1 else None
@@ -119,6 +122,7 @@ class Run:
                             self.grad_accum)
         self.num_params, self.flops_per_token = built.num_params, built.flops_per_token
         self.fp8_layers, self.fp8_all_gather = built.fp8_layers, built.fp8_all_gather
+        self.model_features = built.features
         self.compute_dtype, self.model_parts = built.compute_dtype, built.parts
         for part in self.model_parts:
             part.to_empty(device=self.device)
@@ -155,8 +159,8 @@ class Run:
 
     def _build_training(self) -> None:
         cfg, tcfg = self.config, self.config.training
-        self.optimizer = build_optimizer(self.model_parts, cfg.optimizer, self.device.type)
-        self.scheduler = LRSchedule(self.optimizer, cfg.lr_schedule, tcfg.steps, cfg.optimizer.lr)
+        self.optimizer, self.scheduler = build_optimizer_and_schedule(cfg, self.model_parts,
+                                                                       self.device.type)
         units_on_gpu = fsdp_units_on_gpu(self.device, self.world_size, self.dims.fsdp_enabled,
                                          self.dims.pp, cfg.parallel.fsdp_cpu_offload)
         overlap = cfg.optimizer.overlap_step and (units_on_gpu or self._whole_dense_on_gpu())
@@ -273,7 +277,7 @@ class Run:
         logger.info(f"batch: {self.global_batch} sequences x {tcfg.seq_len} tokens = micro "
                     f"{tcfg.micro_batch_size} x dp {dims.dp} x accum {self.grad_accum} | "
                     f"{tcfg.steps} steps | "
-                    + describe_lr_schedule(cfg.lr_schedule, cfg.optimizer.lr, tcfg.steps))
+                    + self.scheduler.describe())
         logger.info(f"run folder: {self.run_dir} (config.toml: the resolved config)")
         for line in feature_lines(self):
             logger.info(f"  {line}")
@@ -294,40 +298,14 @@ class Run:
 
 
 def feature_lines(run: Run) -> list[str]:
-    """One line per enabled feature of ``run``, for its start-up summary."""
-    cfg, lines = run.config, []
-    if run.step:
-        lines.append(f"resumed from step {run.step} ({run.checkpointer.folder})")
-    if cfg.checkpoint.enabled:
-        lines.append(f"checkpoints: every {cfg.checkpoint.interval} steps"
-                     f"{' (async)' if cfg.checkpoint.async_save else ''}, "
-                     f"last {cfg.checkpoint.keep_last} kept")
+    """One line per feature of ``run``, each from its component's ``describe()``, for the
+    start-up summary."""
+    lines = [f"resumed from step {run.step} ({run.checkpointer.folder})"] if run.step else []
     if run.pipeline is not None:
-        pcfg = cfg.parallel
-        bubble = ideal_bubble(pcfg.pp_schedule, run.dims.pp, pcfg.pp_virtual_stages,
-                              run.grad_accum)
-        lines.append(f"pipeline: {pcfg.pp_schedule}, pp {run.dims.pp} x "
-                     f"{pcfg.pp_virtual_stages} stages per rank, {run.grad_accum} "
-                     f"microbatches: ideal bubble {100 * bubble:.1f}% of compute time")
-    if run.dims.cp > 1:
-        lines.append(f"context parallel: cp {run.dims.cp}, {cfg.parallel.cp_comm_type}")
-    if run.fp8_layers is not None:
-        converted, kept, experts = run.fp8_layers
-        lines.append(f"fp8: {cfg.fp8.backend} {cfg.fp8.recipe}"
-                     f"{' with FP8 all-gather' if run.fp8_all_gather else ''} | "
-                     f"{len(converted)} linear layers in FP8, {len(kept)} kept "
-                     f"({', '.join(kept[:4])}{', ...' if len(kept) > 4 else ''})"
-                     + (f" | the experts of {len(experts)} MoE layers in FP8 (rowwise)"
-                        if experts else ""))
-    if cfg.compile.enabled:
-        lines.append("torch.compile: each block and the loss")
-    if (mode := cfg.activation_checkpoint.mode) != "none":
-        lines.append(f"activation checkpointing: {mode}")
-    if run.overlapped_step is not None:
-        lines.append("optimizer step overlapped with the next forward")
-    if cfg.validation.enabled:
-        lines.append(f"validation: every {cfg.validation.interval} steps, "
-                     f"{cfg.validation.steps} batches")
-    if cfg.metrics.tensorboard:
-        lines.append(run.metrics_logger.tensorboard_command)
+        lines.append(run.pipeline.describe())
+    lines += run.model_features  # what parallelize applied
+    lines += run.hooks.describe_each()  # checkpoints, the step's weight casts, ...
+    for component in (run.update, run.validator, run.metrics_logger):
+        if line := component.describe():
+            lines.append(line)
     return lines

@@ -25,6 +25,12 @@ class Validator:
         self.start = batches.loader.state_dict() if batches is not None else None
         self.history: list[dict[str, float]] = []
 
+    def describe(self) -> str | None:
+        """The start-up summary's line (None without validation)."""
+        if not self.cfg.enabled:
+            return None
+        return f"validation: every {self.cfg.interval} steps, {self.cfg.steps} batches"
+
     def should_run(self, step: int) -> bool:
         return self.cfg.enabled and (step % self.cfg.interval == 0 or step == self.total_steps)
 

@@ -11,12 +11,24 @@ from dtrain.parallel.activation_checkpoint import apply_activation_checkpointing
 from dtrain.parallel.compile import apply_compile, inductor_options
 from dtrain.parallel.context import apply_cp
 from dtrain.parallel.dims import ParallelDims
-from dtrain.parallel.expert import apply_ep
-from dtrain.parallel.fp8 import float8_tensor_parallel
-from dtrain.parallel.fsdp import apply_fsdp
+from dtrain.parallel.expert import MoEStats, apply_ep, moe_layers
+from dtrain.parallel.fp8 import (
+    UnitScales,
+    describe_fp8,
+    eager_fp8_warning,
+    float8_tensor_parallel,
+    fp8_step_hooks,
+)
+from dtrain.parallel.fsdp import AutoReshard, apply_fsdp, fsdp_units_on_gpu
+from dtrain.parallel.overlap import OverlappedStep, build_update
+from dtrain.parallel.pipeline import Pipeline
 from dtrain.parallel.tensor import apply_tp, enable_async_tp
 
-__all__ = ["ParallelDims", "parallelize"]
+# What a run takes from parallelism beyond parallelize: the pipeline's schedule, the overlapped
+# update, and the step hooks of FSDP, FP8 and MoE.
+__all__ = ["AutoReshard", "MoEStats", "OverlappedStep", "ParallelDims", "Pipeline", "UnitScales",
+           "build_update", "describe_parallelize", "eager_fp8_warning", "fp8_step_hooks",
+           "fsdp_units_on_gpu", "inductor_options", "moe_layers", "parallelize"]
 
 
 def parallelize(model: Transformer, dims: ParallelDims, mesh: DeviceMesh | None,
@@ -53,3 +65,21 @@ def parallelize(model: Transformer, dims: ParallelDims, mesh: DeviceMesh | None,
                    parallel.fsdp_reshard_after_forward, parallel.fsdp_cpu_offload,
                    dims.mesh("ep_fsdp"), dims.mesh("moe_fsdp"))
     return model
+
+
+def describe_parallelize(dims: ParallelDims, parallel: ParallelConfig,
+                         ac: ActivationCheckpointConfig, compile: CompileConfig,
+                         fp8: FP8Config, fp8_layers, fp8_all_gather: bool) -> list[str]:
+    """The start-up summary's lines of what ``parallelize`` (and the FP8 conversion before it,
+    ``fp8_layers``) applied beyond the mesh: context parallel, FP8, compile, activation
+    checkpointing."""
+    lines = []
+    if dims.cp > 1:
+        lines.append(f"context parallel: cp {dims.cp}, {parallel.cp_comm_type}")
+    if fp8_layers is not None:
+        lines.append(describe_fp8(fp8, fp8_layers, fp8_all_gather))
+    if compile.enabled:
+        lines.append("torch.compile: each block and the loss")
+    if ac.mode != "none":
+        lines.append(f"activation checkpointing: {ac.mode}")
+    return lines

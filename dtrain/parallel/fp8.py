@@ -309,6 +309,18 @@ class ScaleRefresh(StepHook):
         precompute_fp8_scales(self.model_parts)
 
 
+def describe_fp8(cfg: FP8Config, layers: tuple[list[str], list[str], list[str]],
+                 all_gather: bool) -> str:
+    """The start-up summary's line of the FP8 conversion (``convert_to_fp8``'s ``layers``:
+    converted linears, kept linears, MoE layers whose experts are FP8)."""
+    converted, kept, experts = layers
+    return (f"fp8: {cfg.backend} {cfg.recipe}{' with FP8 all-gather' if all_gather else ''} | "
+            f"{len(converted)} linear layers in FP8, {len(kept)} kept "
+            f"({', '.join(kept[:4])}{', ...' if len(kept) > 4 else ''})"
+            + (f" | the experts of {len(experts)} MoE layers in FP8 (rowwise)" if experts
+               else ""))
+
+
 def fp8_step_hooks(model_parts: Sequence[nn.Module], cfg: FP8Config, fsdp: bool,
                    all_gather: bool, overlap: bool) -> list[StepHook]:
     """The step hooks of FP8 outside ``dtrain.step_weights``: Transformer Engine's first

@@ -136,7 +136,7 @@ class OverlappedStep:
             for part in parts:
                 for module in part.modules():
                     if isinstance(module, FSDPModule):
-                        module.register_forward_pre_hook(self._wait_for_update, prepend=True)
+                        module.register_forward_pre_hook(self.all_gather_waits, prepend=True)
         elif self.stream is not None:
             for module, _ in self.units:
                 module.register_forward_pre_hook(self._compute_waits, prepend=True)
@@ -152,7 +152,7 @@ class OverlappedStep:
         if event is not None:
             torch.cuda.current_stream(self.stream.device).wait_event(event)
 
-    def _wait_for_update(self, module: nn.Module, args) -> None:
+    def all_gather_waits(self, module: nn.Module, args) -> None:
         """Before the unit's own pre-forward (its all-gather): its streams wait for its update."""
         state = module._get_fsdp_state()
         event = self.pending.pop(id(state), None)
@@ -194,6 +194,9 @@ class OverlappedStep:
         scale = getattr(self.optimizer, "grad_scale", None)
         if isinstance(scale, torch.Tensor):
             scale.record_stream(self.stream)
+
+    def describe(self) -> str:
+        return "optimizer step overlapped with the next forward"
 
     def wait(self) -> None:
         """The compute stream waits for every update issued so far."""

@@ -170,7 +170,8 @@ class Pipeline:
                  schedule: str, microbatches: int, pp_mesh: DeviceMesh, device: torch.device,
                  loss_fn, loss_scale: float, context: Callable[[], ContextManager] = nullcontext):
         self.device, self.microbatches, self.context = device, microbatches, context
-        self.loss_scale = loss_scale
+        self.loss_scale, self.schedule_name = loss_scale, schedule
+        self.pp, self.virtual = pp_mesh.size(), num_stages // pp_mesh.size()
         self.group = pp_mesh.get_group()
 
         def scaled_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -187,6 +188,13 @@ class Pipeline:
             self.schedule = cls(stages, microbatches, loss_fn=scaled_loss, scale_grads=False)
         self.has_first = 0 in indices
         self.has_last = num_stages - 1 in indices
+
+    def describe(self) -> str:
+        """The start-up summary's line: the schedule and its ideal bubble."""
+        bubble = ideal_bubble(self.schedule_name, self.pp, self.virtual, self.microbatches)
+        return (f"pipeline: {self.schedule_name}, pp {self.pp} x {self.virtual} stages per "
+                f"rank, {self.microbatches} microbatches: ideal bubble {100 * bubble:.1f}% of "
+                f"compute time")
 
     def __call__(self, batches) -> torch.Tensor:
         pairs = [batches.next() for _ in range(self.microbatches)]

@@ -82,9 +82,6 @@ class StepCopies(StepHook):
         """Sets the step's copy of each of ``layers``."""
         raise NotImplementedError
 
-    def describe(self) -> str:
-        """What this hook does, for the run's start-up summary."""
-        raise NotImplementedError
 
     def before_step(self) -> None:
         if self.per_unit is not None:
