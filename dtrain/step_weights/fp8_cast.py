@@ -7,7 +7,7 @@ inside a step, so ``StepWeightCast`` casts each one once, before the step's firs
 and every forward and backward of the step uses that FP8 weight (torchao's matmul takes an
 already-cast weight as it is), the backward's input-gradient product a column-major copy of the
 same bits, also made once (``_scaled_mm`` wants its second operand column-major; torchao's
-backward would transpose the weight into a new copy every micro-batch: ``fp8_step_matmul``).
+backward would transpose the weight into a new copy every micro-batch: ``fp8_matmul``).
 The cast's backward adds the weight gradient (bf16 under autocast) into the fp32 ``.grad`` in
 place (``add_into_grad``: one pass, where autograd would cast it to an fp32 copy and add that);
 with one micro-batch a step, the product writes the fp32 gradient itself, which becomes ``.grad``
@@ -128,11 +128,11 @@ def cast_weight_t(linear: nn.Module, dtype: torch.dtype | None = None, into_grad
     gradient through that one), and the fp32 ``.grad`` the product adds into, or None. The
     first's gradient goes into ``linear.weight.grad`` in place with ``into_grad``, else through
     autograd. ``dtype``: the compute dtype (default the weight's); ``grad_fp32``: the weight
-    gradient's product writes fp32 (``fp8_step_matmul``: for a step of one micro-batch, whose
+    gradient's product writes fp32 (``fp8_matmul``: for a step of one micro-batch, whose
     gradient becomes ``.grad`` as it is); ``accumulate``: the product adds into
     ``linear.weight.grad`` (made zero where there is none: ``step_grad``; None where the weight
     is frozen) inside the GEMM, and the FP8 weight gets no gradient through autograd
-    (``fp8_step_matmul``). A frozen weight gets no gradient either way."""
+    (``fp8_matmul``). A frozen weight gets no gradient either way."""
     from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole
 
     cast = linear.config.cast_config_weight
@@ -174,7 +174,7 @@ class StepWeightCast(StepCopies):
     gradients through autograd); ``one_micro_batch``: the step has one, whose weight gradients
     the products write in fp32 as the ``.grad``; with several, each product adds into a zeroed
     fp32 ``.grad`` (``accumulate``), both where ``into_grad`` and all the layers' casts allow
-    (``fp8_step_matmul``); ``units``: see ``StepCopies``."""
+    (``fp8_matmul``); ``units``: see ``StepCopies``."""
 
     def __init__(self, linears: Sequence[nn.Module], dtype: torch.dtype, into_grad: bool,
                  units: Sequence[nn.Module] = (), one_micro_batch: bool = False):

@@ -181,5 +181,6 @@ class StepEmbeddingGrads(StepCopies):
             embedding._step = step_grad(embedding.weight)
 
     def describe(self) -> str:
-        return (f"{len(self.layers)} embedding tables' gradients added into fp32 .grad row by "
-                f"row")
+        tables = "1 embedding table's" if len(self.layers) == 1 else \
+            f"{len(self.layers)} embedding tables'"
+        return f"{tables} gradients added into fp32 .grad row by row"
