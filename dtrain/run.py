@@ -163,7 +163,7 @@ class Run:
                                                                        self.device.type)
         units_on_gpu = fsdp_units_on_gpu(self.device, self.world_size, self.dims.fsdp_enabled,
                                          self.dims.pp, cfg.parallel.fsdp_cpu_offload)
-        overlap = cfg.optimizer.overlap_step and (units_on_gpu or self._whole_dense_on_gpu())
+        overlap = cfg.optimizer.overlap_step and (units_on_gpu or self.whole_dense_on_gpu())
         # FP8 all-gather under the overlapped step: each unit's scales right after its update,
         # on a communicator of their own (fp8.UnitScales).
         unit_scales = UnitScales(self.model_parts, dist.new_group()) \
@@ -201,7 +201,7 @@ class Run:
             if cfg.parallel.fsdp_reshard_after_forward == "auto" and units_on_gpu else None,
         ])
 
-    def _whole_dense_on_gpu(self) -> bool:
+    def whole_dense_on_gpu(self) -> bool:
         """One GPU holding a dense model's whole weights (no FSDP, TP nor pipeline): where the
         overlapped step runs block by block, its hooks' weight casts each block's in turn.
         Not for MoE models (their experts' casts run before the step) nor Transformer Engine's

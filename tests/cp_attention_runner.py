@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 from dtrain.models.llama import causal_attention
-from dtrain.parallel.activation_checkpoint import _op_context
+from dtrain.parallel.activation_checkpoint import op_context
 from dtrain.parallel.context import (
     COMM_TYPES,
     CP_ATTENTION_OPS,
@@ -80,7 +80,7 @@ def main() -> None:
         errors[comm_type]["recomputed"] = {
             "full": recomputed(attention, local, dout[:, index],
                                torch.utils.checkpoint.noop_context_fn),
-            "op": recomputed(attention, local, dout[:, index], partial(_op_context, False))}
+            "op": recomputed(attention, local, dout[:, index], partial(op_context, False))}
     if rank == 0:
         with open(sys.argv[1], "w") as f:
             json.dump(errors, f)

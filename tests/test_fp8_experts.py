@@ -105,8 +105,8 @@ def test_mixtral_with_fp8_experts_trains_like_fp32(tmp_path, monkeypatch):
     from dtrain.models import grouped_gemm
 
     products = []
-    fp8_product = grouped_gemm._fp8_product
-    monkeypatch.setattr(grouped_gemm, "_fp8_product",
+    fp8_product = grouped_gemm.fp8_product
+    monkeypatch.setattr(grouped_gemm, "fp8_product",
                         lambda *args: products.append(1) or fp8_product(*args))
     runs = {}
     for name, changes in (("fp8", {"fp8.enabled": True, "fp8.emulate": True}), ("fp32", {})):

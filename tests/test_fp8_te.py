@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dtrain import Trainer, load_config
-from dtrain.parallel.fp8 import te_linears
+from dtrain.parallel.fp8 import next_forward_is_first, te_linears
 
 
 def te_available() -> bool:
@@ -43,8 +43,8 @@ def test_compiled_te_blocks_train_like_eager_ones(tmp_path, recipe):
         firsts = []
         if not compiled:  # the flag each TE forward was given (eager: hooks see every call)
             for m in linears:
-                m.register_forward_pre_hook(
-                    lambda module, args, firsts=firsts: firsts.append(module._first_microbatch))
+                m.register_forward_pre_hook(lambda module, args, firsts=firsts:
+                                            firsts.append(next_forward_is_first(module)))
         losses[compiled] = [r["loss"] for r in trainer.train()]
         if not compiled:  # 4 micro-batches a step: the first told so, the other three not
             assert firsts == ([True] * 14 + [False] * 14 * 3) * 4

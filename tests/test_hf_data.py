@@ -68,8 +68,8 @@ def test_two_ranks_read_disjoint_documents_covering_all(tmp_path, tokenizer, doc
     for rank in range(2):
         stream = HFWindowStream(cfg, tokenizer, SEQ, dp_rank=rank, dp_size=2)
         while stream.epoch == 0:
-            stream._refill()
-        seen.append(stream.documents_read)
+            stream.next_window()
+        seen.append(stream.documents_read - stream.documents)  # the first epoch's
     assert seen[0] + seen[1] == len(docs)
 
 

@@ -26,6 +26,8 @@ from dtrain.data.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKENIZER = ROOT / "dtrain" / "assets" / "debug" / "tokenizer.json"
+# How every error about a damaged .idx/.bin pair ends.
+THE_FIX = "re-create it with tools/preprocess_data.py (or copy it again if it was transferred)"
 
 
 def write(prefix: Path, documents: list[list[int]], dtype=np.uint16) -> IndexedDataset:
@@ -197,13 +199,13 @@ def test_damaged_index_entry_is_named_with_its_value_and_the_fix(tmp_path, damag
     with pytest.raises(ConfigError) as error:
         IndexedDataset(tmp_path / "d")
     assert message in str(error.value) and "\n" not in str(error.value)
-    assert str(error.value).endswith(f"; {indexed._REWRITE}")
+    assert str(error.value).endswith(f"; {THE_FIX}")
 
 
 @pytest.mark.parametrize("block", [1, 2, 3, 1 << 20])
 def test_index_is_checked_block_by_block_with_the_same_result(tmp_path, monkeypatch, block):
     # Blocks of 1 to 3 entries put a block boundary between every pair the checks compare.
-    monkeypatch.setattr(indexed, "_CHECK_BLOCK", block)
+    monkeypatch.setattr(indexed, "CHECK_BLOCK", block)
     prefix = tmp_path / "d"
     write(prefix, numbered_documents([4, 1, 6, 2, 5, 3, 7]))
     assert IndexedDataset(prefix).sequence_lengths.tolist() == [4, 1, 6, 2, 5, 3, 7]
@@ -225,7 +227,7 @@ def test_cli_refuses_a_damaged_index_in_one_error_line(tmp_path, capsys):
     assert code == 2
     assert capsys.readouterr().err.splitlines() == [
         f"error: data.path: index {tmp_path / 'd.idx'}, sequence 17: length -3 (a length must "
-        f"be >= 0); {indexed._REWRITE}"]
+        f"be >= 0); {THE_FIX}"]
 
 
 def test_an_open_dataset_reads_on_after_its_files_are_deleted(tmp_path):

@@ -121,7 +121,8 @@ def test_gqa_attention_matches_explicit_causal_softmax(grouped, monkeypatch):
     ("cuda", torch.float32, "math", True),
 ])
 def test_grouped_kv_go_to_the_kernels_that_take_them(device, dtype, backend, grouped):
-    assert llama.takes_grouped_kv(device, dtype, llama._BACKENDS[backend]) is grouped
+    backends = Attention(model_args("llama3_debug", attention_backend=backend)).backends
+    assert llama.takes_grouped_kv(device, dtype, backends) is grouped
 
 
 def test_forward_is_causal():

@@ -139,7 +139,7 @@ def test_block_by_block_step_with_casts_per_block_trains_exactly_as_the_whole_st
     from dtrain.step_weights.linears import StepLinearWeights
 
     if device == "cpu":
-        monkeypatch.setattr(Run, "_whole_dense_on_gpu", lambda self: True)
+        monkeypatch.setattr(Run, "whole_dense_on_gpu", lambda self: True)
     layout = {"bf16": {"training.mixed_precision": "bf16"},
               "fp8": {"fp8.enabled": True, "fp8.emulate": device == "cpu"}}[precision]
     hook_type = StepLinearWeights if precision == "bf16" else StepWeightCast

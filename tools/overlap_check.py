@@ -36,7 +36,7 @@ def main() -> None:
                         help="device sleep on the side stream before each step's updates")
     args, overrides = parser.parse_known_args()
     if args.no_wait:
-        OverlappedStep._wait_for_update = lambda self, module, inputs: self.pending.clear()
+        OverlappedStep.all_gather_waits = lambda self, module, inputs: self.pending.clear()
     trainer = Trainer(load_config(args.recipe, overrides + [
         "--training.steps", str(args.steps), "--metrics.tensorboard", "false"]))
     stepper = trainer.overlapped_step

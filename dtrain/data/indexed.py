@@ -144,7 +144,7 @@ class IndexedDatasetWriter:
             self.abort()
 
 
-_CHECK_BLOCK = 1 << 20
+CHECK_BLOCK = 1 << 20
 """Index entries checked at a time: temporaries of a few MiB whatever the index's size."""
 
 
@@ -161,7 +161,7 @@ def open_index(idx_path: Path, bin_path: Path
     the previous pointer plus the previous length times the token size (every Megatron writer,
     and ``IndexedDatasetWriter``, computes them so); ``bin_path`` exactly as long as the
     sequences; the document indices starting at 0, never decreasing and ending at S. The arrays
-    are scanned ``_CHECK_BLOCK`` entries at a time with numpy, so an index of billions of
+    are scanned ``CHECK_BLOCK`` entries at a time with numpy, so an index of billions of
     entries costs one read of the file and temporaries of one block. A failure is a ConfigError
     naming the file, the first bad entry, its value, the value expected and the fix."""
     bin_size = bin_path.stat().st_size
@@ -260,9 +260,9 @@ def _check_documents(idx_path: Path, documents: np.ndarray, count: int) -> None:
 
 def _first_flagged(flags: Callable[[int, int], np.ndarray], start: int, stop: int) -> int | None:
     """The first ``i`` in ``[start, stop)`` that ``flags(begin, end)`` (a bool array over
-    ``[begin, end)``) marks, scanning ``_CHECK_BLOCK`` entries at a time; None if none is."""
-    for begin in range(start, stop, _CHECK_BLOCK):
-        marked = flags(begin, min(begin + _CHECK_BLOCK, stop))
+    ``[begin, end)``) marks, scanning ``CHECK_BLOCK`` entries at a time; None if none is."""
+    for begin in range(start, stop, CHECK_BLOCK):
+        marked = flags(begin, min(begin + CHECK_BLOCK, stop))
         if marked.any():
             return begin + int(np.argmax(marked))
     return None

@@ -72,10 +72,11 @@ def _dequantized(bits: torch.Tensor, inverse_scale: torch.Tensor) -> torch.Tenso
     return bits.float() * inverse_scale.unsqueeze(-1)
 
 
-def _fp8_product(a: torch.Tensor, bits: torch.Tensor, inverse_scale: torch.Tensor,
-                 ends: torch.Tensor, emulated: bool) -> torch.Tensor:
-    """Each group of rows of ``a`` (bf16) times the transposed FP8 weight ``bits [E, n, k]``,
-    both rounded to FP8 with rowwise scales; bf16 out."""
+def fp8_product(a: torch.Tensor, bits: torch.Tensor, inverse_scale: torch.Tensor,
+                ends: torch.Tensor, emulated: bool) -> torch.Tensor:
+    """Each group of rows of ``a`` (bf16; groups ending at ``ends``) times the transposed FP8
+    weight ``bits [E, n, k]`` (inverse scales ``inverse_scale [E, n]``), ``a`` rounded to FP8
+    with rowwise scales too; bf16 out, computed in fp32 where ``emulated``."""
     a_bits, a_inverse = rowwise_fp8(a)
     if emulated:
         return torch._grouped_mm(_dequantized(a_bits, a_inverse),
@@ -100,7 +101,7 @@ class GroupedLinear(torch.autograd.Function):
         ctx.save_for_backward(a, ends, grad_into, *operands)
         if mode == "plain":
             return torch._grouped_mm(a, operands[0].transpose(-2, -1), offs=ends)
-        return _fp8_product(a, operands[0], operands[1], ends, mode == "fp8_emulated")
+        return fp8_product(a, operands[0], operands[1], ends, mode == "fp8_emulated")
 
     @staticmethod
     def backward(ctx, grad):
@@ -109,8 +110,8 @@ class GroupedLinear(torch.autograd.Function):
         if ctx.mode == "plain":
             grad_a = torch._grouped_mm(grad, operands[0], offs=ends)
         else:
-            grad_a = _fp8_product(grad, operands[2], operands[3], ends,
-                                  ctx.mode == "fp8_emulated")
+            grad_a = fp8_product(grad, operands[2], operands[3], ends,
+                                 ctx.mode == "fp8_emulated")
         grad_weight = None
         if ctx.accumulate:  # into the weight's gradient, in place: one pass, no fp32 copy
             grad_into.add_(torch._grouped_mm(grad.t(), a, offs=ends))  # [E, out, in]

@@ -51,7 +51,8 @@ def _op_policy(every_second_mm: bool):
     return policy
 
 
-def _op_context(every_second_mm: bool):
+def op_context(every_second_mm: bool):
+    """The forward and recompute contexts of ``op`` mode's selective policy (a ``context_fn``)."""
     return create_selective_checkpoint_contexts(_op_policy(every_second_mm))
 
 
@@ -61,7 +62,7 @@ def apply_activation_checkpointing(model: Transformer, cfg: ActivationCheckpoint
         return
     for i, (name, block) in enumerate(list(model.layers.items())):
         if cfg.mode == "op":
-            context_fn = partial(_op_context, cfg.op_recompute_every_second_mm)
+            context_fn = partial(op_context, cfg.op_recompute_every_second_mm)
             model.layers[name] = checkpoint_wrapper(block, context_fn=context_fn,
                                                     preserve_rng_state=False)
         elif cfg.mode == "full" or (i + 1) % cfg.every_n_layers == 0:

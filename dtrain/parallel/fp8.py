@@ -205,6 +205,12 @@ def te_linears(model_parts: Sequence[nn.Module]) -> list[nn.Module]:
     return [m for part in model_parts for m in part.modules() if hasattr(m, "_first_microbatch")]
 
 
+def next_forward_is_first(linear: nn.Module) -> bool | None:
+    """The flag the next forward of the TE linear ``linear`` gives TE: True for the step's first
+    micro-batch (cast the weight), False for the later ones (reuse it), None outside a step."""
+    return linear._first_microbatch
+
+
 class TEFirstMicrobatch(StepHook):
     """Marks the next forward of each TE linear of ``linears`` as the step's first micro-batch
     (TE casts its weight to FP8 there and reuses the cast for the rest of the step). For
