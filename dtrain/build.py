@@ -18,7 +18,6 @@ from dtrain.config import (
     Config,
     ConfigError,
     DataConfig,
-    ModelConfig,
     TrainingConfig,
     ValidationConfig,
 )
@@ -26,7 +25,8 @@ from dtrain.data.loader import Prefetcher, build_loader
 from dtrain.data.tokenizer import Tokenizer, padded_vocab_size
 from dtrain.lr_schedule import LRSchedule
 from dtrain.metrics import model_flops_per_token
-from dtrain.models import LlamaArgs, Transformer, model_args
+from dtrain.model_shape import model_args_of
+from dtrain.models import Transformer
 from dtrain.optim import build_optimizer
 from dtrain.parallel import ParallelDims, describe_parallelize, parallelize
 from dtrain.parallel.fp8 import convert_to_fp8, fp8_all_gather, fuse_fp8_weight_cast
@@ -105,30 +105,6 @@ def batch_arithmetic(cfg: TrainingConfig, dp: int) -> tuple[int, int]:
     return cfg.global_batch_size, accum
 
 
-def moe_overrides(cfg: ModelConfig) -> dict[str, object]:
-    """``LlamaArgs`` fields an MoE preset takes from the [model] section."""
-    fields: dict[str, object] = {"moe_capacity_factor": cfg.moe_capacity_factor,
-                                 "moe_gemm": cfg.moe_gemm}
-    if cfg.moe_aux_loss_coeff >= 0:
-        fields["moe_aux_loss_coeff"] = cfg.moe_aux_loss_coeff
-    if cfg.moe_z_loss_coeff >= 0:
-        fields["moe_z_loss_coeff"] = cfg.moe_z_loss_coeff
-    if cfg.moe_router != "preset":
-        fields["moe_router"] = cfg.moe_router
-    return fields
-
-
-def model_args_of(cfg: ModelConfig, microbatches: int = 1) -> LlamaArgs:
-    """The preset's ``LlamaArgs`` with the [model] section's overrides. The MoE aux losses of
-    each forward get a gradient scaled by 1 / ``microbatches``, as the LM loss is averaged over
-    the step's micro-batches."""
-    args = model_args(cfg.name, n_layers=cfg.n_layers, vocab_size=cfg.vocab_size,
-                      attention_backend=cfg.attention_backend)
-    if args.n_experts:
-        args = dataclasses.replace(args, **moe_overrides(cfg), moe_aux_grad_scale=1 / microbatches)
-    return dataclasses.replace(args, rope_kernel=cfg.triton_kernels)
-
-
 @dataclasses.dataclass
 class BuiltModel:
     """This rank's model parts, parallelized and still on ``meta``."""
@@ -199,7 +175,8 @@ def build_optimizer_and_schedule(cfg: Config, parts: list[torch.nn.Module], devi
 
 
 def build_tokenizer(cfg: DataConfig) -> Tokenizer:
-    return Tokenizer(cfg.tokenizer, bos=cfg.bos_token or None, eos=cfg.eos_token or None)
+    return Tokenizer(cfg.tokenizer, bos=cfg.bos_token or None, eos=cfg.eos_token or None,
+                     merges=cfg.merge_file or None)
 
 
 def data_settings(data: DataConfig, seq_len: int) -> dict[str, str]:
@@ -209,6 +186,8 @@ def data_settings(data: DataConfig, seq_len: int) -> dict[str, str]:
             "hf": ("path", "tokenizer", "text_field", "bos_token", "eos_token", "hf_config",
                    "hf_split"),
             "indexed": ("path", "split")}[data.source]
+    if data.merge_file and data.source != "indexed":  # a GPT-2 pair: the merges count too
+        keys += ("merge_file",)
     return {"data.source": data.source, "training.seq_len": str(seq_len),
             **{f"data.{key}": str(getattr(data, key)) for key in keys}}
 

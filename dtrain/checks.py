@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from dtrain.build import batch_arithmetic, model_args_of
+from dtrain.build import batch_arithmetic
 from dtrain.config import Config, ConfigError, check_ranges
 from dtrain.lr_schedule import check_lr_schedule
+from dtrain.model_shape import check_shape, model_args_of
 from dtrain.parallel.context import check_cp
 from dtrain.parallel.dims import ParallelDims
 from dtrain.parallel.expert import check_ep
@@ -32,8 +33,11 @@ def validate(cfg: Config, world_size: int, device: torch.device | None) -> Paral
     _, microbatches = batch_arithmetic(cfg.training, dims.dp)
     try:
         args = model_args_of(cfg.model)
+    except ConfigError:
+        raise
     except ValueError as e:
         raise ConfigError(f"model.name: {e}") from None
+    check_shape(args)
     tcfg, pcfg = cfg.training, cfg.parallel
     if tcfg.seq_len > args.max_seq_len:
         raise ConfigError(f"training.seq_len = {tcfg.seq_len} exceeds the model's "

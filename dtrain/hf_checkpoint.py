@@ -1,14 +1,16 @@
-"""HF transformers LLaMA and Mixtral checkpoints <-> dtrain weights.
+"""Hugging Face checkpoints of LLaMA, Mistral, Mixtral, Qwen2 and Qwen3 <-> dtrain weights.
 
-HF stores ``LlamaForCausalLM`` as safetensors (one file, or shards with
-``model.safetensors.index.json``) beside ``config.json``. Names map one to one
-(``model.layers.3.self_attn.q_proj.weight`` <-> ``layers.3.attention.wq.weight``); the q and k
-projections are also permuted, because HF rotates the two halves of each head (``rotate_half``)
-where dtrain, like Meta's reference code, rotates interleaved pairs. Grouped-query attention needs
-nothing more: k and v keep their ``n_kv_heads`` rows. ``MixtralForCausalLM`` keeps one tensor per
-expert (``block_sparse_moe.experts.<e>.w1.weight``; transformers 5 models hold them fused as
-``mlp.experts.gate_up_proj`` / ``down_proj``, and either is read): they are stacked into dtrain's
-``[n_experts, ...]`` parameters, and the router is ``block_sparse_moe.gate``.
+HF stores a model as safetensors (one file, or shards with ``model.safetensors.index.json``)
+beside ``config.json``, whose mapping to ``LlamaArgs`` is ``dtrain.hf_config``'s. Names map one to
+one (``model.layers.3.self_attn.q_proj.weight`` <-> ``layers.3.attention.wq.weight``, biases and
+Qwen3's ``self_attn.q_norm`` / ``k_norm`` alike); what RoPE rotates is also permuted, because HF
+rotates the two halves of each head (``rotate_half``) where dtrain, like Meta's reference code,
+rotates interleaved pairs: the rows of wq and wk, their biases, and within its one head the
+weights of q_norm and k_norm. Grouped-query attention and an explicit head width need nothing
+more. ``MixtralForCausalLM`` keeps one tensor per expert
+(``block_sparse_moe.experts.<e>.w1.weight``; transformers 5 models hold them fused as
+``mlp.experts.gate_up_proj`` / ``down_proj``, and either is read): they are stacked into
+dtrain's ``[n_experts, ...]`` parameters, and the router is ``block_sparse_moe.gate``.
 
 ``import_hf`` writes a model-only DCP checkpoint that a run starts from with
 ``checkpoint.initial_weights``, under any parallel layout; ``export_hf`` turns a dtrain
@@ -23,137 +25,70 @@ from pathlib import Path
 import torch
 
 from dtrain.config import ConfigError
-from dtrain.models.llama import LlamaArgs, RopeScaling, Transformer
+from dtrain.hf_config import args_from_hf_config, hf_config_from_args
+from dtrain.models.llama import LlamaArgs, Transformer
 
 _LAYER_NAMES = {  # dtrain suffix -> HF suffix, inside layers.<i>.
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
+    **{f"attention.{ours}.{kind}": f"self_attn.{theirs}_proj.{kind}"
+       for ours, theirs in (("wq", "q"), ("wk", "k"), ("wv", "v"), ("wo", "o"))
+       for kind in ("weight", "bias")},
+    "attention.q_norm.weight": "self_attn.q_norm.weight",
+    "attention.k_norm.weight": "self_attn.k_norm.weight",
     "feed_forward.w1.weight": "mlp.gate_proj.weight",
     "feed_forward.w2.weight": "mlp.down_proj.weight",
     "feed_forward.w3.weight": "mlp.up_proj.weight",
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
-_DENSE = ("feed_forward.w1.weight", "feed_forward.w2.weight", "feed_forward.w3.weight")
 _TOP_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight",
               "norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
 
 
-def args_from_hf_config(config: dict) -> LlamaArgs:
-    """``LlamaArgs`` for an HF LLaMA ``config.json``."""
-    if config.get("model_type") not in (None, "llama", "mixtral"):
-        raise ConfigError(f"config.json has model_type {config.get('model_type')!r}: only "
-                          "LLaMA and Mixtral checkpoints (model_type 'llama' or 'mixtral') are "
-                          "converted in this version")
-    if config.get("sliding_window"):
-        raise ConfigError(f"config.json has sliding_window {config['sliding_window']}: "
-                          "sliding-window attention is not supported (Mixtral has none)")
-    # transformers 4 writes rope_theta and rope_scaling; transformers 5 one rope_parameters.
-    rope = config.get("rope_parameters") or {}
-    theta = config.get("rope_theta", rope.get("rope_theta", 10000.0))
-    scaling = config.get("rope_scaling") or (
-        rope if rope.get("rope_type", "default") != "default" else None)
-    head_dim = config["hidden_size"] // config["num_attention_heads"]
-    if (config.get("head_dim") or head_dim) != head_dim:
-        raise ConfigError(f"config.json has head_dim {config['head_dim']}, not hidden_size / "
-                          f"num_attention_heads = {head_dim}: such models are not supported")
-    if scaling is not None:
-        if scaling.get("rope_type", scaling.get("type")) != "llama3":
-            raise ConfigError(f"rope_scaling {scaling} is not supported: only Llama 3.1's "
-                              "'llama3' frequency scaling (or none) is")
-        scaling = RopeScaling(factor=scaling["factor"], low_freq_factor=scaling["low_freq_factor"],
-                              high_freq_factor=scaling["high_freq_factor"],
-                              original_max_seq_len=scaling["original_max_position_embeddings"])
-    return LlamaArgs(
-        dim=config["hidden_size"], n_layers=config["num_hidden_layers"],
-        n_heads=config["num_attention_heads"],
-        n_kv_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
-        vocab_size=config["vocab_size"], ffn_hidden_size=config["intermediate_size"],
-        norm_eps=config.get("rms_norm_eps", 1e-5), rope_theta=theta,
-        rope_scaling=scaling, max_seq_len=config.get("max_position_embeddings", 4096),
-        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-        **_moe_args(config))
-
-
-def _moe_args(config: dict) -> dict:
-    """The MoE fields of ``LlamaArgs`` for a Mixtral config (none for LLaMA)."""
-    if config.get("model_type") != "mixtral":
-        return {}
-    return {"n_experts": config["num_local_experts"], "moe_top_k": config["num_experts_per_tok"],
-            "moe_hidden_size": config["intermediate_size"],
-            "moe_aux_loss_coeff": config.get("router_aux_loss_coef", 0.0)}
-
-
-def hf_config_from_args(args: LlamaArgs) -> dict:
-    """The HF ``config.json`` of a dtrain LLaMA or Mixtral."""
-    config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "hidden_size": args.dim, "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads, "num_key_value_heads": args.kv_heads,
-        "intermediate_size": args.ffn_dim, "vocab_size": args.vocab_size,
-        "rms_norm_eps": args.norm_eps, "rope_theta": args.rope_theta,
-        "max_position_embeddings": args.max_seq_len, "tie_word_embeddings": args.tie_embeddings,
-        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
-        "torch_dtype": "float32",
-    }
-    if args.n_experts:
-        config.update({"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
-                       "intermediate_size": args.expert_dim,
-                       "num_local_experts": args.n_experts,
-                       "num_experts_per_tok": args.moe_top_k,
-                       "router_aux_loss_coef": args.moe_aux_loss_coeff,
-                       "sliding_window": None})
-        for key in ("attention_bias", "mlp_bias"):
-            del config[key]
-    if args.rope_scaling is not None:
-        s = args.rope_scaling
-        config["rope_scaling"] = {"rope_type": "llama3", "factor": s.factor,
-                                  "low_freq_factor": s.low_freq_factor,
-                                  "high_freq_factor": s.high_freq_factor,
-                                  "original_max_position_embeddings": s.original_max_seq_len}
-    return config
+def _rotary_heads(suffix: str, args: LlamaArgs) -> int:
+    """How many heads of rotated channels dim 0 of layer tensor ``suffix`` holds (0: none)."""
+    if suffix.startswith(("attention.wq.", "attention.wk.")):
+        return args.n_heads if suffix.startswith("attention.wq.") else args.kv_heads
+    return 1 if suffix in ("attention.q_norm.weight", "attention.k_norm.weight") else 0
 
 
 def _to_interleaved(w: torch.Tensor, heads: int) -> torch.Tensor:
-    """HF's half-split rotary layout -> interleaved pairs, for a q/k projection's rows."""
-    rows, cols = w.shape
-    return w.view(heads, 2, rows // heads // 2, cols).transpose(1, 2).reshape(rows, cols)
+    """HF's half-split rotary layout -> interleaved pairs, along dim 0 of ``w`` (a q/k
+    projection's rows, its bias, or a per-head norm's weight) split into ``heads`` heads."""
+    return w.unflatten(0, (heads, 2, -1)).transpose(1, 2).reshape(w.shape)
 
 
 def _to_half_split(w: torch.Tensor, heads: int) -> torch.Tensor:
     """Interleaved rotary pairs -> HF's half-split layout (inverse of ``_to_interleaved``)."""
-    rows, cols = w.shape
-    return w.view(heads, rows // heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+    return w.unflatten(0, (heads, -1, 2)).transpose(1, 2).reshape(w.shape)
 
 
 def from_hf_state_dict(hf: dict[str, torch.Tensor], args: LlamaArgs) -> dict[str, torch.Tensor]:
-    """HF tensor names and layouts -> dtrain's."""
+    """HF tensor names and layouts -> dtrain's: every tensor of ``Transformer(args)``'s state
+    dict, taken from ``hf``; raises ConfigError naming the first one ``hf`` lacks."""
+    with torch.device("meta"):
+        names = list(Transformer(args).state_dict())
     out = {}
-    for ours, theirs in _TOP_NAMES.items():
-        if theirs in hf:
-            out[ours] = hf[theirs]
+    for name in names:
+        if name == "output.weight" and args.tie_embeddings:
+            continue
+        if name in _TOP_NAMES:
+            key, suffix = _TOP_NAMES[name], ""
+        else:
+            _, i, suffix = name.split(".", 2)
+            if suffix.startswith("feed_forward.") and args.is_moe_layer(int(i)):
+                continue  # the experts and router, per layer below
+            key = f"model.layers.{i}.{_LAYER_NAMES[suffix]}"
+        if key not in hf:
+            raise ConfigError(f"the HF checkpoint has no tensor {key}: it is not a complete "
+                              f"model of the shape its config.json gives")
+        heads = _rotary_heads(suffix, args)
+        out[name] = _to_interleaved(hf[key], heads) if heads else hf[key]
     for i in range(args.n_layers):
-        if args.n_experts:
+        if args.is_moe_layer(i):
             out.update(_experts_from_hf(hf, args, i))
-        for ours, theirs in _LAYER_NAMES.items():
-            if args.n_experts and ours in _DENSE:
-                continue
-            key = f"model.layers.{i}.{theirs}"
-            if key not in hf:
-                raise ConfigError(f"the HF checkpoint has no tensor {key}: it is not a complete "
-                                  f"model with {args.n_layers} layers")
-            tensor = hf[key]
-            if ours == "attention.wq.weight":
-                tensor = _to_interleaved(tensor, args.n_heads)
-            elif ours == "attention.wk.weight":
-                tensor = _to_interleaved(tensor, args.kv_heads)
-            out[f"layers.{i}.{ours}"] = tensor
     if args.tie_embeddings:  # one tensor under both names, as the tied model's state_dict has
         out["output.weight"] = out["tok_embeddings.weight"]
     return out
-
 
 def _experts_from_hf(hf: dict[str, torch.Tensor], args: LlamaArgs,
                      i: int) -> dict[str, torch.Tensor]:
@@ -182,7 +117,8 @@ def _experts_from_hf(hf: dict[str, torch.Tensor], args: LlamaArgs,
 
 
 def to_hf_state_dict(ours: dict[str, torch.Tensor], args: LlamaArgs) -> dict[str, torch.Tensor]:
-    """dtrain tensor names and layouts -> HF's."""
+    """dtrain tensor names and layouts -> HF's (Mixtral's experts one tensor each; no
+    ``lm_head.weight`` where the embeddings are tied)."""
     out = {}
     for name, tensor in ours.items():
         if name in _TOP_NAMES:
@@ -199,11 +135,9 @@ def to_hf_state_dict(ours: dict[str, torch.Tensor], args: LlamaArgs) -> dict[str
             for e in range(tensor.shape[0]):
                 out[f"{moe}.experts.{e}.{w}.weight"] = tensor[e].contiguous()
             continue
-        if suffix == "attention.wq.weight":
-            tensor = _to_half_split(tensor, args.n_heads)
-        elif suffix == "attention.wk.weight":
-            tensor = _to_half_split(tensor, args.kv_heads)
-        out[f"model.layers.{i}.{_LAYER_NAMES[suffix]}"] = tensor
+        heads = _rotary_heads(suffix, args)
+        out[f"model.layers.{i}.{_LAYER_NAMES[suffix]}"] = (
+            _to_half_split(tensor, heads) if heads else tensor)
     return out
 
 
@@ -239,7 +173,7 @@ def read_hf(folder: str | Path) -> tuple[LlamaArgs, dict[str, torch.Tensor]]:
 
 
 def import_hf(hf_folder: str | Path, out: str | Path) -> LlamaArgs:
-    """Converts an HF LLaMA folder into a model-only dtrain checkpoint (DCP) at ``out`` and
+    """Converts an HF model folder into a model-only dtrain checkpoint (DCP) at ``out`` and
     writes ``out/model_args.json``; returns the model's shape."""
     import dataclasses
 
@@ -281,17 +215,18 @@ def load_model(checkpoint: str | Path, args: LlamaArgs) -> Transformer:
 
 
 def export_hf(model: Transformer, out: str | Path, dtype: torch.dtype = torch.bfloat16) -> None:
-    """Writes a full (unsharded, single-process) dtrain model as an HF LLaMA folder."""
+    """Writes a full (unsharded, single-process) dtrain model as an HF folder of the
+    architecture ``hf_config_from_args`` picks for its shape (ConfigError where none has it)."""
     from safetensors.torch import save_file
 
     from dtrain.models.llama import canonical_name
 
+    config = hf_config_from_args(model.args)  # first: a shape HF has no class for fails here
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     ours = {canonical_name(k): v.detach().to("cpu", dtype).contiguous()
             for k, v in model.state_dict().items()}
     save_file(to_hf_state_dict(ours, model.args), str(out / "model.safetensors"),
               metadata={"format": "pt"})
-    config = hf_config_from_args(model.args)
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
     (out / "config.json").write_text(json.dumps(config, indent=1))

@@ -53,8 +53,10 @@ def flops_per_token(num_params: int, n_layers: int, n_heads: int, head_dim: int,
 
 
 def model_flops_per_token(model: Transformer, seq_len: int) -> int:
-    """``flops_per_token`` for a whole (unsharded, possibly meta) model; an MoE counts the
-    parameters a token uses (top_k of the experts)."""
+    """``flops_per_token`` for a whole (unsharded, possibly meta) model: the parameters of its
+    modules as built (any head width, biases, the dense blocks of an MoE model whole), the
+    routed experts of MoE blocks by the share a token uses (top_k of n_experts), and attention
+    scores and values over n_heads x head_dim."""
     args = model.args
     return flops_per_token(model.num_params(exclude_embedding=True, active=True), args.n_layers,
                            args.n_heads, args.head_dim, seq_len)

@@ -1,5 +1,5 @@
 """Training end to end from each data source: Megatron indexed data made by
-tools/preprocess_data.py, and HF datasets streamed from JSON lines."""
+python -m dtrain.preprocess_data, and HF datasets streamed from JSON lines."""
 
 import subprocess
 import sys
@@ -19,7 +19,7 @@ TINY = {"model.n_layers": 1, "training.seq_len": 64, "training.global_batch_size
 def indexed_prefix(tmp_path_factory):
     out = tmp_path_factory.mktemp("indexed")
     result = subprocess.run(
-        [sys.executable, "tools/preprocess_data.py", "--input", str(ASSETS / "debug" /
+        [sys.executable, "-m", "dtrain.preprocess_data", "--input", str(ASSETS / "debug" /
          "corpus.jsonl"), "--output-prefix", str(out / "corpus"), "--tokenizer",
          str(ASSETS / "debug"), "--append-eod", "--workers", "2"],
         capture_output=True, text=True, cwd=ASSETS.parent.parent, timeout=300)

@@ -76,7 +76,7 @@ def test_each_dataset_of_an_indexed_blend_is_opened(tmp_path, capsys):
     assert main([*SMALL, "--data.source", "indexed", "--data.path", blend]) == 2
     assert error_line(capsys) == (
         f"error: data.path: indexed dataset file {tmp_path / 'b'}.idx not found: give the "
-        "prefix without .bin/.idx, or create the dataset with tools/preprocess_data.py")
+        "prefix without .bin/.idx, or create the dataset with python -m dtrain.preprocess_data")
     write_indexed(tmp_path / "b")
     assert main([*SMALL, "--data.source", "indexed", "--data.path", blend]) == 0
     assert f"data.path = '{blend}' (indexed)" in capsys.readouterr().out

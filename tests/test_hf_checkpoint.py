@@ -99,7 +99,7 @@ def test_missing_shard_and_damaged_file_are_clear_errors(tmp_path):
 
 def test_non_llama_config_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
-    with pytest.raises(ConfigError, match="only LLaMA and Mixtral checkpoints"):
+    with pytest.raises(ConfigError, match="only LlamaForCausalLM, MistralForCausalLM"):
         import_hf(tmp_path, tmp_path / "ckpt")
 
 

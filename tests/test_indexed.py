@@ -1,5 +1,5 @@
 """Megatron-LM indexed datasets: the .bin/.idx format, GPT samples, splits, blends, and
-tools/preprocess_data.py."""
+python -m dtrain.preprocess_data."""
 
 import gzip
 import json
@@ -27,7 +27,8 @@ from dtrain.data.tokenizer import Tokenizer
 ROOT = Path(__file__).resolve().parent.parent
 TOKENIZER = ROOT / "dtrain" / "assets" / "debug" / "tokenizer.json"
 # How every error about a damaged .idx/.bin pair ends.
-THE_FIX = "re-create it with tools/preprocess_data.py (or copy it again if it was transferred)"
+THE_FIX = ("re-create it with python -m dtrain.preprocess_data (or copy it again if it was "
+           "transferred)")
 
 
 def write(prefix: Path, documents: list[list[int]], dtype=np.uint16) -> IndexedDataset:
@@ -418,10 +419,10 @@ def test_build_gpt_dataset_blends_the_train_split_of_each_prefix(tmp_path):
     assert all(int(t) // 100 in train_docs for i in range(len(blend)) for t in blend.window(i))
 
 
-# tools/preprocess_data.py ------------------------------------------------------------------------
+# python -m dtrain.preprocess_data ------------------------------------------------------------
 
 def preprocess(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "tools" / "preprocess_data.py"),
+    return subprocess.run([sys.executable, "-m", "dtrain.preprocess_data",
                            "--tokenizer", str(TOKENIZER), *args],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
 

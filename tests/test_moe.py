@@ -10,8 +10,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from dtrain import load_config
-from dtrain.build import moe_overrides
 from dtrain.metrics import model_flops_per_token
+from dtrain.model_shape import moe_overrides
 from dtrain.models import build
 from dtrain.models.moe import (
     MoE,

@@ -2,12 +2,19 @@
 single-process run: equal initial weights, per-step losses and gradient norms within 1e-5
 relative over 6 steps, with gradient accumulation and activation checkpointing."""
 
+import socket
+
 import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 from conftest import BASE, assert_same_run, run_distributed
+from torch.distributed.device_mesh import init_device_mesh
 
 from dtrain.config import ConfigError
 from dtrain.models import model_args
-from dtrain.parallel.tensor import check_async_tp, check_tp
+from dtrain.models.llama import LlamaArgs, Transformer
+from dtrain.parallel.tensor import apply_tp, check_async_tp, check_tp
 
 
 def specs(tmp_path, parallel: dict, variants: list[dict]) -> list[dict]:
@@ -61,3 +68,66 @@ def test_async_tp_needs_cuda_and_compile():
     with pytest.raises(ConfigError, match="compile.enabled = true"):
         check_async_tp("cuda", compiled=False)
     check_async_tp("cuda", compiled=True)
+
+
+# A Qwen-like shape no preset has: heads of 24 channels (not dim / n_heads = 16), biases on all
+# four projections, per-head q/k norms, grouped KV heads.
+QWEN_LIKE = LlamaArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_size=24, qkv_bias=True,
+                      out_bias=True, qk_norm=True, vocab_size=128, multiple_of=32,
+                      max_seq_len=32, rope_theta=10000.0)
+
+
+def qwen_like_model() -> Transformer:
+    """QWEN_LIKE initialised, then its biases and norm weights drawn away from 0 and 1 (the
+    same on every rank), so that a misplaced bias or norm weight changes the result."""
+    model = Transformer(QWEN_LIKE)
+    model.init_weights(seed=0)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias") or "norm" in name:
+                param.copy_(0.5 + torch.rand(param.shape, generator=generator))
+    return model
+
+
+def qwen_like_step(model: Transformer) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Logits and gradients (gathered whole) of one forward and backward on a fixed batch."""
+    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(2))
+    logits = model(tokens)
+    F.cross_entropy(logits.flatten(0, 1), tokens.roll(-1, 1).flatten()).backward()
+    return logits.detach(), {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor")
+                                    else p.grad) for name, p in model.named_parameters()}
+
+
+def qwen_like_tp_worker(rank: int, port: int, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    model = qwen_like_model()
+    apply_tp(model, init_device_mesh("cpu", (2,)), loss_parallel=False)
+    logits, grads = qwen_like_step(model)
+    if rank == 0:
+        torch.save({"logits": logits, "grads": grads}, out)
+    dist.destroy_process_group()
+
+
+def test_tensor_parallel_of_head_size_biases_and_qk_norm_matches_one_process(tmp_path):
+    # Column-parallel q/k/v biases split with their heads, the row-parallel wo bias replicated,
+    # q_norm/k_norm weights replicated over the heads each rank holds. fp32: the two ranks'
+    # partial sums differ from one process's only in order. Logits and the gradient norm agree
+    # within 1e-5; each gradient within 1e-4 of its largest entry, since those of q and k (and
+    # their biases and norms) are small sums of terms that largely cancel (seen: 1.5e-5).
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "tp.pt"
+    torch.multiprocessing.spawn(qwen_like_tp_worker, args=(port, str(out)), nprocs=2)
+    got = torch.load(out)
+    logits, grads = qwen_like_step(qwen_like_model())
+    assert torch.allclose(got["logits"], logits, rtol=1e-5, atol=1e-5)
+    assert got["grads"].keys() == grads.keys()
+    norm = torch.stack([g.norm() for g in grads.values()]).norm()
+    got_norm = torch.stack([g.norm() for g in got["grads"].values()]).norm()
+    assert got_norm.item() == pytest.approx(norm.item(), rel=1e-5)
+    for name, want in grads.items():
+        error = (got["grads"][name] - want).abs().max()
+        assert error <= 1e-4 * want.abs().max(), name

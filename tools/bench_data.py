@@ -3,7 +3,7 @@
     python tools/bench_data.py --repeat 10 --workers 2
 
 The input is the shipped debug corpus repeated ``--repeat`` times; the tokenizer is the shipped
-one. Prints tokens/s for tools/preprocess_data.py, and for the indexed and hf loaders at
+one. Prints tokens/s for python -m dtrain.preprocess_data, and for the indexed and hf loaders at
 seq_len 8192, micro-batch 1 (one Llama 3 8B micro-batch per call).
 """
 
@@ -45,7 +45,7 @@ def main() -> None:
         data = Path(tmp) / "corpus.jsonl"
         data.write_text(corpus * args.repeat)
         start = time.perf_counter()
-        subprocess.run([sys.executable, str(Path(__file__).parent / "preprocess_data.py"),
+        subprocess.run([sys.executable, "-m", "dtrain.preprocess_data",
                         "--input", str(data), "--output-prefix", f"{tmp}/c", "--tokenizer",
                         str(ASSETS / "debug"), "--append-eod", "--workers", str(args.workers)],
                        check=True, capture_output=True)

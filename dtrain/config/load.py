@@ -14,6 +14,7 @@ import dataclasses
 import difflib
 import inspect
 import tomllib
+import types
 import typing
 from importlib import resources
 from pathlib import Path
@@ -130,6 +131,9 @@ def _suggest(name: str, choices: typing.Iterable[str], prefix: str = "") -> str:
 def _coerce(key: str, value: Any, hint: Any, from_cli: bool) -> Any:
     """Checks (and for CLI strings, parses) ``value`` against the field's type."""
     origin = typing.get_origin(hint)
+    if origin is types.UnionType:  # X | None: None is only the default (unset)
+        (hint,) = (h for h in typing.get_args(hint) if h is not type(None))
+        origin = typing.get_origin(hint)
     if origin is Literal:
         choices = typing.get_args(hint)
         if value not in choices:
@@ -201,8 +205,12 @@ def help_text() -> str:
         hints = typing.get_type_hints(cls)
         for name, doc in docs.items():
             kind = hints[name]
+            if typing.get_origin(kind) is types.UnionType:
+                (kind,) = (h for h in typing.get_args(kind) if h is not type(None))
             kind = ("|".join(map(str, typing.get_args(kind)))
                     if typing.get_origin(kind) is Literal else getattr(kind, "__name__", kind))
-            lines.append(f"  --{section}.{name} ({kind}, default {toml_value(defaults[name])})")
+            default = "unset: the preset's" if defaults[name] is None \
+                else f"default {toml_value(defaults[name])}"
+            lines.append(f"  --{section}.{name} ({kind}, {default})")
             lines.append(f"      {doc}")
     return "\n".join(lines)

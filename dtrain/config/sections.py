@@ -23,6 +23,11 @@ def ranged(default: Any, ok: Callable[[Any], bool], allowed: str) -> Any:
     return field(default=default, metadata=meta)
 
 
+def unset_or(ok: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    """``ok`` for a field whose unset value (None: the preset's) is allowed too."""
+    return lambda v: v is None or ok(v)
+
+
 def finite(value: Any) -> bool:
     """Whether every number in ``value`` (a number or a list of them) is finite."""
     values = value if isinstance(value, list) else [value]
@@ -47,11 +52,80 @@ class JobConfig:
 @dataclass
 class ModelConfig:
     name: str = "llama3_debug"
-    """Model preset from ``dtrain.models.presets`` (llama3_debug, llama3_8b, ...)."""
+    """Model preset from ``dtrain.models.presets`` (llama3_debug, llama3_8b, ...): a named set of
+    defaults for the shape keys below, each of which replaces its value where set."""
+    hf_config: str = ""
+    """A Hugging Face model folder or its config.json (LlamaForCausalLM, MistralForCausalLM,
+    MixtralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM): the shape's defaults come from it
+    instead of the preset ``name``; the shape keys below still replace them."""
     n_layers: int = ranged(0, lambda v: v >= 0, "an integer >= 0")
-    """Override the preset's number of transformer blocks (0 keeps the preset's)."""
+    """Number of transformer blocks (Megatron's --num-layers; 0 keeps the preset's)."""
     vocab_size: int = ranged(0, lambda v: v >= 0, "an integer >= 0")
-    """Override the preset's vocabulary size (0 keeps the preset's)."""
+    """Vocabulary rows (0 keeps the preset's; padded to data.vocab_size_divisible_by x tp, and
+    at least the tokenizer's)."""
+    hidden_size: int | None = ranged(None, unset_or(lambda v: v >= 1), "an integer >= 1")
+    """Width of the residual stream (Megatron's --hidden-size; unset: the preset's)."""
+    n_heads: int | None = ranged(None, unset_or(lambda v: v >= 1), "an integer >= 1")
+    """Query heads (--num-attention-heads)."""
+    n_kv_heads: int | None = ranged(None, unset_or(lambda v: v >= 1), "an integer >= 1")
+    """Key/value heads (--num-query-groups): n_heads for multi-head attention, fewer for GQA,
+    1 for MQA; must divide n_heads."""
+    head_dim: int | None = ranged(None, unset_or(lambda v: v >= 2 and v % 2 == 0),
+                                  "an even integer >= 2")
+    """Each head's width (--kv-channels); unset: hidden_size / n_heads."""
+    ffn_hidden_size: int | None = ranged(None, unset_or(lambda v: v >= 1), "an integer >= 1")
+    """The feed-forward's width (--ffn-hidden-size); unset: Llama's rule from ffn_dim_multiplier
+    and multiple_of (or the preset's width)."""
+    ffn_dim_multiplier: float | None = ranged(None, unset_or(lambda v: v > 0), "a number > 0")
+    """Llama's rule: 8/3 x hidden_size x this, rounded up to multiple_of."""
+    multiple_of: int | None = ranged(None, unset_or(lambda v: v >= 1), "an integer >= 1")
+    """Llama's rule: the feed-forward width is rounded up to a multiple of this."""
+    norm_eps: float | None = ranged(None, unset_or(lambda v: 0 < v < 1), "a number in (0, 1)")
+    """RMSNorm's epsilon (--norm-epsilon)."""
+    rope_theta: float | None = ranged(None, unset_or(lambda v: v > 0), "a number > 0")
+    """RoPE's base (--rotary-base)."""
+    rope_scaling: Literal["preset", "none", "llama3", "yarn"] = "preset"
+    """RoPE frequency scaling for long context: none, Llama 3.1's (llama3), or YaRN; the
+    rope_* keys below set its parameters (unset: the preset's, else the published defaults)."""
+    rope_scaling_factor: float | None = ranged(None, unset_or(lambda v: v >= 1), "a number >= 1")
+    """llama3 and yarn: how much longer the context is than rope_original_max_seq_len."""
+    rope_original_max_seq_len: int | None = ranged(None, unset_or(lambda v: v >= 1),
+                                                   "an integer >= 1")
+    """llama3 and yarn: the context the model was trained with before scaling."""
+    rope_low_freq_factor: float | None = ranged(None, unset_or(lambda v: v > 0), "a number > 0")
+    """llama3: wavelengths above original / this are scaled fully."""
+    rope_high_freq_factor: float | None = ranged(None, unset_or(lambda v: v > 0), "a number > 0")
+    """llama3: wavelengths below original / this are not scaled."""
+    rope_yarn_beta_fast: float | None = ranged(None, unset_or(lambda v: v > 0), "a number > 0")
+    """yarn: rotations of the fastest frequencies left unscaled (default 32)."""
+    rope_yarn_beta_slow: float | None = ranged(None, unset_or(lambda v: v > 0), "a number > 0")
+    """yarn: rotations below which frequencies are scaled fully (default 1)."""
+    max_seq_len: int | None = ranged(None, unset_or(lambda v: v >= 1), "an integer >= 1")
+    """The longest sequence (--max-position-embeddings): the RoPE table's length."""
+    tie_embeddings: bool | None = None
+    """The output layer shares the token embedding's table (unset: the preset's; Megatron ties
+    unless --untie-embeddings-and-output-weights)."""
+    qkv_bias: bool | None = None
+    """Biases on the query, key and value projections (Qwen2; --add-qkv-bias)."""
+    out_bias: bool | None = None
+    """A bias on the attention's output projection."""
+    qk_norm: bool | None = None
+    """RMSNorm of each head's queries and keys before RoPE (Qwen3; --qk-layernorm)."""
+    n_experts: int | None = ranged(None, unset_or(lambda v: v >= 0), "an integer >= 0")
+    """MoE: routed experts per MoE layer (--num-experts; 0: a dense model)."""
+    moe_top_k: int | None = ranged(None, unset_or(lambda v: v >= 1), "an integer >= 1")
+    """MoE: experts each token is routed to (--moe-router-topk)."""
+    moe_hidden_size: int | None = ranged(None, unset_or(lambda v: v >= 1), "an integer >= 1")
+    """MoE: each expert's feed-forward width (--moe-ffn-hidden-size)."""
+    moe_shared_hidden: int | None = ranged(None, unset_or(lambda v: v >= 0), "an integer >= 0")
+    """MoE: width of the shared expert every token also takes (0: none;
+    --moe-shared-expert-intermediate-size)."""
+    moe_layer_freq: int | None = ranged(None, unset_or(lambda v: v >= 1), "an integer >= 1")
+    """MoE: every this-many-th block is an MoE layer, counting from block 0, the others dense
+    (--moe-layer-freq; 1: every block)."""
+    moe_first_dense_layers: int | None = ranged(None, unset_or(lambda v: v >= 0),
+                                                "an integer >= 0")
+    """MoE: the first this-many blocks are dense (DeepSeek's first_k_dense_replace)."""
     attention_backend: Literal["auto", "cudnn", "flash", "efficient", "math"] = "auto"
     """SDPA kernel; auto prefers cuDNN, then flash, then memory-efficient, then math."""
     triton_kernels: bool = True
@@ -238,7 +312,12 @@ class DataConfig:
     text_field: str = "text"
     """Field that holds the document text (text and hf sources)."""
     tokenizer: str = "builtin:debug/tokenizer.json"
-    """HF tokenizer.json (or a folder holding one); BOS/EOS come from tokenizer_config.json."""
+    """HF tokenizer.json (or a folder holding one, or holding a GPT-2 vocab.json and
+    merges.txt); with merge_file, a GPT-2 vocab.json (Megatron's --vocab-file). BOS/EOS come
+    from tokenizer_config.json beside it."""
+    merge_file: str = ""
+    """A GPT-2 BPE merges.txt (Megatron's --merge-file): data.tokenizer is then its
+    vocab.json, read as GPT-2's byte-level BPE (EOS <|endoftext|> unless eos_token says)."""
     bos_token: str = ""
     """BOS token text, overriding tokenizer_config.json ("" keeps it)."""
     eos_token: str = ""
@@ -383,7 +462,9 @@ class Config:
     fp8: FP8Config = field(default_factory=FP8Config)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
-        return dataclasses.asdict(self)
+        """Every section's set values (an unset key, None, is the preset's: left out)."""
+        return {section: {key: value for key, value in values.items() if value is not None}
+                for section, values in dataclasses.asdict(self).items()}
 
     def to_toml(self) -> str:
         lines = []

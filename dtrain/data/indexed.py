@@ -1,7 +1,8 @@
 """Megatron-LM indexed datasets: the ``.bin``/``.idx`` pair, and GPT samples drawn from it.
 
 The format is Megatron-LM's ``IndexedDataset`` ("MMIDIDX"), so files written by Megatron's
-``tools/preprocess_data.py`` load here and files written here load in Megatron. Checked field by
+``tools/preprocess_data.py`` (or ``python -m dtrain.preprocess_data``) load here and files
+written here load in Megatron. Checked field by
 field against ``megatron/core/datasets/indexed_dataset.py`` (``_IndexWriter``, ``_IndexReader``,
 ``IndexedDatasetBuilder``, ``DType``) and ``gpt_dataset.py``/``helpers.cpp`` (``GPTDataset``,
 ``build_sample_idx``) in NVIDIA/Megatron-LM on GitHub:
@@ -54,7 +55,8 @@ DTYPE_CODES: dict[int, np.dtype] = {
      8: "uint16"}.items()}
 """Megatron's ``DType`` enum: the code stored in the index -> the token dtype of ``.bin``."""
 
-_REWRITE = "re-create it with tools/preprocess_data.py (or copy it again if it was transferred)"
+_REWRITE = ("re-create it with python -m dtrain.preprocess_data (or copy it again if it was "
+            "transferred)")
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -280,7 +282,7 @@ class IndexedDataset:
             if not path.is_file():
                 raise ConfigError(f"indexed dataset file {path} not found: give the prefix "
                                   "without .bin/.idx, or create the dataset with "
-                                  "tools/preprocess_data.py")
+                                  "python -m dtrain.preprocess_data")
         (self.dtype, self.sequence_lengths, self.sequence_pointers,
          self.document_indices) = open_index(idx_path, bin_path)
         self._bin = (np.memmap(bin_path, dtype=np.uint8, mode="r") if bin_path.stat().st_size

@@ -1,4 +1,10 @@
-"""LLaMA 2/3 decoder, single-device code: parallelism is applied from outside (dtrain.parallel).
+"""Llama-family decoder (LLaMA 2/3, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE), single-device
+code: parallelism is applied from outside (dtrain.parallel).
+
+The shapes differ only in ``LlamaArgs`` fields: the head width (``head_size``), biases on the
+attention projections (``qkv_bias``, ``out_bias``), per-head RMSNorm of q and k (``qk_norm``),
+RoPE scaling (Llama 3.1's or YaRN) and which blocks' feed-forward is a mixture of experts
+(``n_experts``, ``moe_layers``).
 
 Blocks live in a ``ModuleDict`` keyed "0".."n-1" so names stay stable when a pipeline stage drops
 some; ``tok_embeddings``, ``norm`` and ``output`` may be set to ``None`` by a stage and ``forward``
@@ -41,8 +47,14 @@ class LlamaArgs:
     attention_backend: str = "auto"
     rope_kernel: bool = True  # RoPE through dtrain.kernels.rope (a Triton kernel on CUDA)
     ffn_hidden_size: int | None = None  # explicit FFN width (HF checkpoints); else Llama's rule
-    # Mixture of experts (dtrain.models.moe): n_experts > 0 replaces every block's feed-forward.
+    head_size: int | None = None  # each attention head's width; None: dim // n_heads
+    qkv_bias: bool = False  # biases on wq, wk, wv (Qwen2)
+    out_bias: bool = False  # bias on wo
+    qk_norm: bool = False  # RMSNorm over head_dim of each head's q and k, before RoPE (Qwen3)
+    # Mixture of experts (dtrain.models.moe): n_experts > 0 replaces the feed-forward of the
+    # blocks in moe_layers (None: every block) by an MoE; the others stay dense.
     n_experts: int = 0
+    moe_layers: tuple[int, ...] | None = None
     moe_top_k: int = 2
     moe_hidden_size: int | None = None  # each expert's width; else ffn_dim
     moe_router: str = "softmax"  # softmax (Mixtral) or sigmoid with expert bias (DeepSeek)
@@ -56,7 +68,11 @@ class LlamaArgs:
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.head_size or self.dim // self.n_heads
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        """Whether block ``layer_id``'s feed-forward is the MoE (else ``FeedForward``)."""
+        return bool(self.n_experts) and (self.moe_layers is None or layer_id in self.moe_layers)
 
     @property
     def kv_heads(self) -> int:
@@ -80,11 +96,29 @@ class LlamaArgs:
 
 @dataclass
 class RopeScaling:
-    """Llama 3.1 frequency scaling of RoPE for long context."""
+    """Frequency scaling of RoPE for a context ``factor`` times the ``original_max_seq_len`` the
+    model was trained with, as Hugging Face transformers computes it (``modeling_rope_utils``).
+
+    ``kind="llama3"`` (Llama 3.1): wavelengths above original / ``low_freq_factor`` are
+    stretched by ``factor``, those below original / ``high_freq_factor`` kept, those between
+    blended. ``kind="yarn"``: frequencies that turn fewer than ``beta_slow`` times over the
+    original context are stretched, more than ``beta_fast`` times kept, with a linear ramp
+    between (its ends rounded outwards with ``truncate``), and cos and sin scaled by the
+    attention factor ``rope_attention_factor`` (from ``mscale`` and ``mscale_all_dim``)."""
     factor: float = 8.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_seq_len: int = 8192
+    kind: str = "llama3"
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+    truncate: bool = True
+
+    def __post_init__(self):
+        if self.kind not in ("llama3", "yarn"):
+            raise ValueError(f"RoPE scaling kind {self.kind!r}: use llama3 or yarn")
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -92,6 +126,8 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -
     freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
     if scaling is None:
         return freqs
+    if scaling.kind == "yarn":
+        return _yarn_frequencies(freqs, head_dim, theta, scaling)
     wavelen = 2 * math.pi / freqs
     low_wavelen = scaling.original_max_seq_len / scaling.low_freq_factor
     high_wavelen = scaling.original_max_seq_len / scaling.high_freq_factor
@@ -102,13 +138,49 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -
                        torch.where(wavelen < high_wavelen, freqs, blended))
 
 
+def _yarn_frequencies(freqs: torch.Tensor, head_dim: int, theta: float,
+                      scaling: RopeScaling) -> torch.Tensor:
+    """YaRN's blend of ``freqs`` (extrapolated) and ``freqs / factor`` (interpolated): pair i
+    is interpolated by ramp(i), 0 up to the pair that turns ``beta_fast`` times over the
+    original context, 1 from the one that turns ``beta_slow`` times."""
+    def pair_turning(rotations: float) -> float:  # fractional pair index with that many turns
+        return (head_dim * math.log(scaling.original_max_seq_len / (rotations * 2 * math.pi))
+                / (2 * math.log(theta)))
+
+    low, high = pair_turning(scaling.beta_fast), pair_turning(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no zero-width ramp
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    return freqs / scaling.factor * ramp + freqs * (1 - ramp)
+
+
+def rope_attention_factor(scaling: RopeScaling | None) -> float:
+    """The factor cos and sin are multiplied by: YaRN's ``0.1 ln(factor) + 1``, or with
+    ``mscale`` and ``mscale_all_dim`` both set the ratio of that formula's value with each as
+    its coefficient (DeepSeek); 1 without scaling or with llama3's."""
+    if scaling is None or scaling.kind != "yarn":
+        return 1.0
+
+    def mscale(coefficient: float = 1.0) -> float:
+        return 1.0 if scaling.factor <= 1 else 0.1 * coefficient * math.log(scaling.factor) + 1.0
+
+    if scaling.mscale and scaling.mscale_all_dim:
+        return mscale(scaling.mscale) / mscale(scaling.mscale_all_dim)
+    return mscale()
+
+
 def rope_cache(seq_len: int, head_dim: int, theta: float,
                scaling: RopeScaling | None) -> torch.Tensor:
-    """exp(i * position * frequency) per position and channel pair, shape
-    (seq_len, head_dim // 2), complex64."""
+    """attention_factor * exp(i * position * frequency) per position and channel pair, shape
+    (seq_len, head_dim // 2), complex64: rotating q and k by it also scales both by YaRN's
+    attention factor (1 otherwise)."""
     angles = torch.outer(torch.arange(seq_len, dtype=torch.float64),
                          rope_frequencies(head_dim, theta, scaling))
-    return torch.polar(torch.ones_like(angles), angles).to(torch.complex64)
+    magnitude = torch.full_like(angles, rope_attention_factor(scaling))
+    return torch.polar(magnitude, angles).to(torch.complex64)
 
 
 def apply_rope(x: torch.Tensor, cache: torch.Tensor, kernel: bool = False) -> torch.Tensor:
@@ -207,15 +279,21 @@ class RMSNorm(nn.RMSNorm):
 
 
 class Attention(nn.Module):
+    """Causal self-attention with RoPE and grouped-query heads: wq ``[n_heads * head_dim, dim]``,
+    wk and wv ``[kv_heads * head_dim, dim]``, wo ``[dim, n_heads * head_dim]``; with ``qk_norm``
+    ``q_norm`` and ``k_norm`` (weights of head_dim) normalise each head before the rotation."""
+
     def __init__(self, args: LlamaArgs):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.kv_heads, args.head_dim
         self.backends = _BACKENDS[args.attention_backend]
         self.rope_kernel = args.rope_kernel
-        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
-        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=args.qkv_bias)
+        self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=args.qkv_bias)
+        self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=args.qkv_bias)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=args.out_bias)
+        self.q_norm = RMSNorm(self.head_dim, eps=args.norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps=args.norm_eps) if args.qk_norm else None
         # (q, k, v) -> output, all (batch, seq, heads, head_dim); context parallel replaces it.
         self.core_attention = partial(causal_attention, backends=self.backends)
 
@@ -225,6 +303,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(batch, seq, -1, self.head_dim)
         k = self.wk(x).view(batch, seq, -1, self.head_dim)
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = (apply_rope(t, rope, self.rope_kernel) for t in (q, k))
         out = self.core_attention(q, k, v)
         return self.wo(out.reshape(batch, seq, -1))
@@ -237,10 +317,14 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
-        self.feed_forward = FeedForward(args.dim, args.ffn_dim) if not args.n_experts else MoE(
-            args.dim, args.expert_dim, args.n_experts, args.moe_top_k, args.moe_router,
-            args.moe_norm_topk, args.moe_shared_hidden, args.moe_capacity_factor,
-            args.moe_aux_loss_coeff, args.moe_z_loss_coeff, args.moe_gemm, args.moe_aux_grad_scale)
+        if args.is_moe_layer(layer_id):
+            self.feed_forward: FeedForward | MoE = MoE(
+                args.dim, args.expert_dim, args.n_experts, args.moe_top_k, args.moe_router,
+                args.moe_norm_topk, args.moe_shared_hidden, args.moe_capacity_factor,
+                args.moe_aux_loss_coeff, args.moe_z_loss_coeff, args.moe_gemm,
+                args.moe_aux_grad_scale)
+        else:
+            self.feed_forward = FeedForward(args.dim, args.ffn_dim)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), rope)
@@ -290,8 +374,9 @@ class Transformer(nn.Module):
 
         Scheme: embeddings N(0, 1) (N(0, 0.02) when tied to the output); q/k/v/w1 N(0, 0.02);
         wo/w2/w3 N(0, 0.02 / sqrt(2 (l + 1))) (depth-scaled); output N(0, dim^-1/2); all
-        truncated at 3 sigma except the embeddings. MoE: the router gate N(0, 0.02), experts'
-        w1/w2/w3 as the dense ones (each ``[n_experts, ...]`` tensor is one parameter)."""
+        truncated at 3 sigma except the embeddings. Norms (q_norm, k_norm too) one, biases
+        zero. MoE: the router gate N(0, 0.02), experts' w1/w2/w3 as the dense ones (each
+        ``[n_experts, ...]`` tensor is one parameter)."""
         args = self.args
         device = buffer_device or self.rope.device
         self.rope = rope_cache(args.max_seq_len, args.head_dim, args.rope_theta,
@@ -301,7 +386,9 @@ class Transformer(nn.Module):
         for name, param in self.named_parameters():
             name = canonical_name(name)
             leaf = name.rsplit(".", 2)[-2] if name.endswith(".weight") else name.rsplit(".")[-1]
-            if "norm" in leaf:
+            if name.endswith(".bias"):
+                init.constant_(param, 0.0)
+            elif "norm" in leaf:
                 init.constant_(param, 1.0)
             elif leaf == "tok_embeddings":  # also the output layer when tied: keep logits small
                 init.normal_(param, 0.02 if args.tie_embeddings else 1.0, seed, name)
@@ -321,7 +408,8 @@ class Transformer(nn.Module):
     def num_params(self, exclude_embedding: bool = False, active: bool = False) -> int:
         """Parameter count (shared weights once); with exclude_embedding, without the input
         embedding table unless it is tied to the output layer; with ``active``, counting the
-        routed experts' weights by the share a token uses (top_k / n_experts)."""
+        routed experts' weights by the share a token uses (top_k / n_experts); dense blocks, the
+        shared expert and the router count in full."""
         total = 0
         for name, p in self.named_parameters():
             routed = active and ".experts." in canonical_name(name)

@@ -109,7 +109,8 @@ def apply_ep(model: Transformer, ep_mesh: DeviceMesh) -> None:
 
 
 def moe_layers(parts: list[nn.Module]) -> dict[int, MoE]:
-    """The MoE modules of this rank's model parts by layer index."""
+    """The MoE modules of this rank's model parts by layer index (blocks with a dense
+    feed-forward, ``LlamaArgs.moe_layers``, have none)."""
     from dtrain.models.llama import canonical_name
 
     return {int(canonical_name(name).split(".")[1]): m for part in parts

@@ -4,10 +4,12 @@
 Between blocks the residual stream is sharded on the sequence dimension (``Shard(1)``): RMSNorm
 runs on the local tokens. Entering attention or the feed-forward, the sequence is all-gathered;
 ``wq/wk/wv/w1/w3`` are column-parallel (each rank holds a slice of the heads / hidden units) and
-``wo/w2`` row-parallel, whose partial sums are reduce-scattered back onto the sequence. The
-embedding table is split by vocabulary rows; the output projection is column-parallel over the
-vocabulary and, with loss parallel, its logits stay sharded: the cross-entropy is computed on the
-vocabulary shards and full logits are never gathered.
+``wo/w2`` row-parallel, whose partial sums are reduce-scattered back onto the sequence. Biases
+follow their linears: a column-parallel bias is split with its rows, a row-parallel one is
+replicated. Per-head q/k norms (``qk_norm``) run on this rank's heads with their head_dim weight
+replicated. The embedding table is split by vocabulary rows; the output projection is
+column-parallel over the vocabulary and, with loss parallel, its logits stay sharded: the
+cross-entropy is computed on the vocabulary shards and full logits are never gathered.
 """
 
 from __future__ import annotations
@@ -35,8 +37,10 @@ from dtrain.parallel.compile import fp8_output_layer
 def check_tp(args: LlamaArgs, tp: int, seq_len: int) -> None:
     """Raises ConfigError when the heads of the model ``args`` describes, its feed-forward or
     the sequence do not split over ``tp``."""
-    for name, value in (("n_heads", args.n_heads), ("n_kv_heads", args.kv_heads),
-                        ("ffn hidden size", args.ffn_dim)):
+    sizes = [("n_heads", args.n_heads), ("n_kv_heads", args.kv_heads)]
+    if not all(args.is_moe_layer(i) for i in range(args.n_layers)):  # a dense feed-forward
+        sizes.append(("ffn hidden size", args.ffn_dim))
+    for name, value in sizes:
         if value % tp:
             raise ConfigError(f"parallel.tp = {tp} does not divide the model's {name} ({value}): "
                               f"use a tensor-parallel degree that divides {value}")
@@ -143,6 +147,11 @@ def block_plan(block: nn.Module, float8: bool = False) -> dict[str, ParallelStyl
         "feed_forward.w2": row("feed_forward.w2"),
         "feed_forward.w3": col("feed_forward.w3"),
     }
+    if getattr(block.attention, "q_norm", None) is not None:
+        # q and k arrive as this rank's heads (dim 2); each head is normalised over head_dim
+        # with the one replicated weight.
+        for norm in ("attention.q_norm", "attention.k_norm"):
+            plan[norm] = SequenceParallel(sequence_dim=2, use_local_output=True)
     if isinstance(block.feed_forward, MoE):
         # Tokens stay sequence-sharded through the MoE: each rank routes and dispatches its own
         # tokens (to the experts' ranks over ep), so the MoE runs on local tensors (and returns

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dtrain.build import batch_arithmetic, model_args_of
+from dtrain.build import batch_arithmetic
 from dtrain.checks import validate
 from dtrain.config import Config, ConfigError, load_config
+from dtrain.model_shape import model_args_of
 from dtrain.parallel.pipeline import SINGLE_STAGE
 from dtrain.plan.dry_run import layout_of
 from dtrain.plan.memory import Layout, Workload

@@ -78,24 +78,27 @@ class Workload:
         return self.global_batch // (layout.micro_batch * layout.dp)
 
 
-def layer_params(args: LlamaArgs) -> dict[str, int]:
+def layer_params(args: LlamaArgs) -> dict[str, float]:
     """Parameters of one transformer block by how they are sharded: ``tp`` (split by tensor
     parallel), ``replicated`` (norms), ``experts`` (split by expert parallel), ``router``."""
-    h, kv = args.dim, args.kv_heads * args.head_dim
-    attention = h * (2 * h + 2 * kv)
-    if args.n_experts:
-        return {"tp": attention, "replicated": 2 * h,
-                "experts": 3 * h * args.expert_dim * args.n_experts,
-                "router": h * args.n_experts + 3 * h * args.moe_shared_hidden}
-    return {"tp": attention + 3 * h * args.ffn_dim, "replicated": 2 * h, "experts": 0,
-            "router": 0}
+    h, q, kv = args.dim, args.n_heads * args.head_dim, args.kv_heads * args.head_dim
+    attention = 2 * h * q + 2 * h * kv + (q + 2 * kv if args.qkv_bias else 0)
+    replicated = 2 * h + (h if args.out_bias else 0) + (2 * args.head_dim if args.qk_norm else 0)
+    dense = 3 * h * args.ffn_dim
+    if not args.n_experts:
+        return {"tp": attention + dense, "replicated": replicated, "experts": 0, "router": 0}
+    # An MoE model's dense blocks (model.moe_layer_freq): averaged over the blocks.
+    share = 1.0 if args.moe_layers is None else len(args.moe_layers) / args.n_layers
+    return {"tp": attention + (1 - share) * dense, "replicated": replicated,
+            "experts": share * 3 * h * args.expert_dim * args.n_experts,
+            "router": share * (h * args.n_experts + 3 * h * args.moe_shared_hidden)}
 
 
 def total_params(args: LlamaArgs) -> int:
     """Exact parameter count of the model (``Transformer.num_params``)."""
     per_layer = sum(layer_params(args).values())
     embeddings = args.vocab_size * args.dim * (1 if args.tie_embeddings else 2)
-    return args.n_layers * per_layer + embeddings + args.dim
+    return round(args.n_layers * per_layer) + embeddings + args.dim
 
 
 def stage_layers(args: LlamaArgs, layout: Layout, last: bool) -> int:

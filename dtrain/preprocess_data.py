@@ -1,6 +1,6 @@
 """JSON lines -> Megatron-LM indexed datasets (.bin/.idx), one per JSON key.
 
-    python tools/preprocess_data.py --input corpus.jsonl.gz --output-prefix data/corpus \\
+    python -m dtrain.preprocess_data --input corpus.jsonl.gz --output-prefix data/corpus \\
         --tokenizer path/to/tokenizer.json --json-keys text --append-eod --workers 8
 
 writes ``data/corpus_text_document.bin`` and ``.idx`` (``{prefix}_{key}_document`` per key, the
@@ -32,10 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from dtrain.data.indexed import IndexedDatasetWriter, token_dtype  # noqa: E402
-from dtrain.data.tokenizer import Tokenizer  # noqa: E402
+from dtrain.data.indexed import IndexedDatasetWriter, token_dtype
+from dtrain.data.tokenizer import Tokenizer
 
 CHUNK_LINES = 512
 CHUNK_BYTES = 4 << 20
@@ -51,8 +49,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--input", required=True, help="a .jsonl file (.jsonl.gz allowed)")
     parser.add_argument("--output-prefix", required=True,
                         help="output path without suffix; writes PREFIX_KEY_document.bin/.idx")
-    parser.add_argument("--tokenizer", required=True,
-                        help="a tokenizer.json file, or a folder holding one")
+    parser.add_argument("--tokenizer", "--vocab-file", required=True, dest="tokenizer",
+                        help="a tokenizer.json file, or a folder holding one; with "
+                             "--merge-file, a GPT-2 vocab.json (Megatron's --vocab-file)")
+    parser.add_argument("--merge-file", default=None,
+                        help="GPT-2 BPE merges.txt (Megatron's --merge-file), with the "
+                             "vocab.json given as --tokenizer")
     parser.add_argument("--json-keys", nargs="+", default=["text"],
                         help="keys whose text to tokenize, one output dataset each")
     parser.add_argument("--append-eod", action="store_true",
@@ -69,13 +71,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 _worker: dict = {}
 
 
-def init_worker(tokenizer: str, keys: list[str], append_eod: bool, dtype: str,
-                single_process: bool) -> None:
+def init_worker(tokenizer: str, merges: str | None, keys: list[str], append_eod: bool,
+                dtype: str, single_process: bool) -> None:
     """Loads the tokenizer once per worker process."""
     if not single_process:
         # Parallelism comes from the worker processes; threads inside each would oversubscribe.
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _worker.update(tokenizer=Tokenizer(tokenizer), keys=keys, append_eod=append_eod,
+    _worker.update(tokenizer=Tokenizer(tokenizer, merges=merges), keys=keys, append_eod=append_eod,
                    dtype=np.dtype(dtype))
 
 
@@ -141,15 +143,17 @@ def preprocess(args: argparse.Namespace) -> list[str]:
     if not path.is_file():
         raise InputError(f"--input: file {path} not found: give a .jsonl or .jsonl.gz file")
     try:
-        tokenizer = Tokenizer(args.tokenizer)
-    except FileNotFoundError as e:
-        raise InputError(str(e).replace("data.tokenizer", "--tokenizer")) from None
+        tokenizer = Tokenizer(args.tokenizer, merges=args.merge_file)
+    except (FileNotFoundError, ValueError) as e:
+        raise InputError(str(e).replace("data.tokenizer", "--tokenizer")
+                         .replace("data.merge_file", "--merge-file")) from None
     if args.append_eod and tokenizer.eos_id is None:
         raise InputError(f"--append-eod: tokenizer {args.tokenizer} has no EOS token: set "
                          "eos_token in a tokenizer_config.json beside it, or drop --append-eod")
     dtype = token_dtype(tokenizer.vocab_size)
     prefixes = [f"{args.output_prefix}_{key}_document" for key in args.json_keys]
-    init = (args.tokenizer, args.json_keys, args.append_eod, dtype.str, args.workers == 1)
+    init = (args.tokenizer, args.merge_file, args.json_keys, args.append_eod, dtype.str,
+            args.workers == 1)
     slots, stop = threading.Semaphore(2 * args.workers + 2), threading.Event()
     chunks = read_chunks(path, slots, stop)
     documents, done_bytes, start = 0, 0, time.monotonic()

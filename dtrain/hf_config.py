@@ -1,0 +1,231 @@
+"""Hugging Face ``config.json`` <-> ``LlamaArgs`` for the five decoder families dtrain's
+``Transformer`` computes exactly: LLaMA (any ``attention_bias``, explicit ``head_dim``), Mistral
+(no sliding window), Mixtral (softmax top-k router), Qwen2 (q, k, v biases) and Qwen3 (per-head
+q/k RMSNorm).
+
+Both layouts of the RoPE settings are read: transformers 4's ``rope_theta`` with a
+``rope_scaling`` dict, and transformers 5's single ``rope_parameters`` dict holding
+``rope_theta`` too. The inverse writes transformers 4's layout, which transformers 5 also reads.
+Whatever dtrain would compute differently is refused with one line naming it: sliding-window
+attention, biases in the MLP, activations other than SiLU, RoPE scalings other than Llama 3.1's
+and YaRN, partial rotary embeddings.
+"""
+
+from __future__ import annotations
+
+import math
+
+from dtrain.config import ConfigError
+from dtrain.models.llama import LlamaArgs, RopeScaling, rope_attention_factor
+
+LLAMA, MISTRAL, MIXTRAL = "LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM"
+QWEN2, QWEN3 = "Qwen2ForCausalLM", "Qwen3ForCausalLM"
+ARCHITECTURES = {LLAMA: "llama", MISTRAL: "mistral", MIXTRAL: "mixtral", QWEN2: "qwen2",
+                 QWEN3: "qwen3"}  # architectures[0] -> model_type
+ROPE_TYPES = ("default", "llama3", "yarn")
+
+
+def hf_architecture(config: dict) -> str:
+    """The config's architecture (``architectures[0]``, else the one of its ``model_type``);
+    raises ConfigError for any but the five supported."""
+    names = config.get("architectures") or []
+    by_type = {model_type: name for name, model_type in ARCHITECTURES.items()}
+    name = names[0] if names else by_type.get(config.get("model_type"))
+    if name not in ARCHITECTURES:
+        described = names[0] if names else f"model_type {config.get('model_type')!r}"
+        raise ConfigError(f"config.json describes {described}: only {', '.join(ARCHITECTURES)} "
+                          "checkpoints are converted")
+    return name
+
+
+def args_from_hf_config(config: dict) -> LlamaArgs:
+    """``LlamaArgs`` for an HF ``config.json`` (a dict) of one of the five architectures;
+    raises ConfigError, one line, for a key dtrain's model cannot honour."""
+    arch = hf_architecture(config)
+    missing = [key for key in ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                               "intermediate_size", "vocab_size") if key not in config]
+    if missing:
+        raise ConfigError(f"config.json of {arch} lacks {', '.join(missing)}")
+    _refuse_unsupported(config, arch)
+    dim, heads = config["hidden_size"], config["num_attention_heads"]
+    # Qwen3's config class defaults head_dim to 128, the others to hidden_size / heads.
+    head_dim = config.get("head_dim") or (128 if arch == QWEN3 else dim // heads)
+    bias = bool(config.get("attention_bias")) and arch in (LLAMA, QWEN3)
+    max_seq_len = config.get("max_position_embeddings", 4096)
+    theta, scaling = _rope_from_hf(config, max_seq_len)
+    return LlamaArgs(
+        dim=dim, n_layers=config["num_hidden_layers"], n_heads=heads,
+        n_kv_heads=config.get("num_key_value_heads") or heads,
+        head_size=None if head_dim == dim // heads else head_dim,
+        vocab_size=config["vocab_size"], ffn_hidden_size=config["intermediate_size"],
+        norm_eps=config.get("rms_norm_eps", 1e-5 if arch == MIXTRAL else 1e-6),
+        rope_theta=theta, rope_scaling=scaling, max_seq_len=max_seq_len,
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        qkv_bias=bias or arch == QWEN2, out_bias=bias, qk_norm=arch == QWEN3,
+        **_moe_from_hf(config, arch))
+
+
+def _refuse_unsupported(config: dict, arch: str) -> None:
+    """One-line ConfigError for a setting of ``config`` that dtrain's model does not compute."""
+    if config.get("hidden_act", "silu") not in ("silu", "swish"):
+        raise ConfigError(f"config.json has hidden_act {config['hidden_act']!r}: dtrain's "
+                          "feed-forward is SwiGLU (silu)")
+    if config.get("mlp_bias"):
+        raise ConfigError("config.json has mlp_bias true: dtrain's feed-forward has no biases")
+    window = _sliding_window(config, arch)
+    if window:
+        raise ConfigError(f"config.json uses sliding-window attention (sliding_window {window}): "
+                          "dtrain's attention is full causal; such checkpoints are not converted")
+    if config.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ConfigError(f"config.json has partial_rotary_factor "
+                          f"{config['partial_rotary_factor']}: dtrain rotates whole heads")
+    if arch == MIXTRAL and config.get("router_jitter_noise"):
+        raise ConfigError(f"config.json has router_jitter_noise {config['router_jitter_noise']}: "
+                          "dtrain's router adds no jitter; set it to 0 to train without it")
+
+
+def _sliding_window(config: dict, arch: str) -> int | None:
+    """The window of the layers that slide, or None where every layer attends to all earlier
+    tokens, as transformers decides it."""
+    window = config.get("sliding_window", 4096 if arch in (MISTRAL, QWEN2, QWEN3) else None)
+    if not window or not config.get("use_sliding_window", arch in (MISTRAL, MIXTRAL)):
+        return None
+    if arch in (QWEN2, QWEN3):  # Qwen slides only from layer max_window_layers on
+        layer_types = config.get("layer_types") or [
+            "sliding_attention" if i >= config.get("max_window_layers", 28) else "full_attention"
+            for i in range(config["num_hidden_layers"])]
+        if "sliding_attention" not in layer_types:
+            return None
+    return window
+
+
+def _rope_from_hf(config: dict, max_seq_len: int) -> tuple[float, RopeScaling | None]:
+    """RoPE's theta and scaling from transformers 4's keys or transformers 5's
+    ``rope_parameters``."""
+    params = dict(config.get("rope_scaling") or config.get("rope_parameters") or {})
+    if isinstance(params.get("full_attention"), dict):  # kept per layer type
+        params = params["full_attention"]
+    theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise ConfigError(f"config.json has RoPE type {kind!r}: only {', '.join(ROPE_TYPES)} "
+                          "(Llama 3.1's scaling and YaRN) are supported")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ConfigError(f"config.json has partial_rotary_factor "
+                          f"{params['partial_rotary_factor']}: dtrain rotates whole heads")
+    if kind == "default":
+        return theta, None
+    original = params.get("original_max_position_embeddings",
+                          config.get("original_max_position_embeddings", max_seq_len))
+    if kind == "llama3":
+        return theta, RopeScaling(kind="llama3", factor=params["factor"],
+                                  low_freq_factor=params["low_freq_factor"],
+                                  high_freq_factor=params["high_freq_factor"],
+                                  original_max_seq_len=original)
+    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    scaling = RopeScaling(
+        kind="yarn", factor=params.get("factor") or max_seq_len / original,
+        original_max_seq_len=original, beta_fast=params.get("beta_fast") or 32.0,
+        beta_slow=params.get("beta_slow") or 1.0, truncate=params.get("truncate", True),
+        # transformers uses the pair only when both are set (DeepSeek's attention factor)
+        mscale=mscale if mscale and mscale_all_dim else 1.0,
+        mscale_all_dim=mscale_all_dim if mscale and mscale_all_dim else 0.0)
+    given = params.get("attention_factor")
+    if given is not None and not math.isclose(given, rope_attention_factor(scaling)):
+        raise ConfigError(f"config.json has YaRN attention_factor {given}, not the "
+                          f"{rope_attention_factor(scaling):.6g} its factor and mscale give: "
+                          "dtrain computes the attention factor from them")
+    return theta, scaling
+
+
+def _moe_from_hf(config: dict, arch: str) -> dict:
+    """The MoE fields of ``LlamaArgs``: Mixtral's experts and softmax top-k router (every block
+    MoE); none for the dense architectures."""
+    if arch != MIXTRAL:
+        return {}
+    return {"n_experts": config.get("num_local_experts", 8),
+            "moe_top_k": config.get("num_experts_per_tok", 2),
+            "moe_hidden_size": config["intermediate_size"], "moe_layers": None,
+            "moe_router": "softmax", "moe_norm_topk": True, "moe_shared_hidden": 0,
+            "moe_aux_loss_coeff": config.get("router_aux_loss_coef", 0.0)}
+
+
+def hf_architecture_of(args: LlamaArgs) -> str:
+    """The HF architecture that computes the shape ``args``: Qwen3 with qk-norm, Qwen2 with
+    biases on q, k, v only, Mixtral with experts, else LLaMA (Mistral where the hidden size is
+    no multiple of the heads, which LLaMA's config refuses); raises ConfigError for a shape
+    none of them has."""
+    def refuse(what: str) -> ConfigError:
+        return ConfigError(f"{what}: no Hugging Face architecture among {', '.join(ARCHITECTURES)} "
+                           "has this shape, so it is not exported")
+
+    if args.n_experts:
+        if args.qkv_bias or args.out_bias or args.qk_norm:
+            raise refuse("an MoE model with attention biases or qk_norm")
+        if args.moe_layers is not None and set(args.moe_layers) != set(range(args.n_layers)):
+            raise refuse(f"MoE only in blocks {list(args.moe_layers)}")
+        if args.moe_router != "softmax" or not args.moe_norm_topk or args.moe_shared_hidden:
+            raise refuse("an MoE router other than Mixtral's (softmax, renormalised top-k, no "
+                         "shared expert)")
+        return MIXTRAL
+    if args.out_bias and not args.qkv_bias:
+        raise refuse("a bias on wo without biases on wq, wk, wv")
+    if args.qk_norm:
+        if args.qkv_bias != args.out_bias:
+            raise refuse("qk_norm with biases on q, k, v but not on wo")
+        return QWEN3
+    if args.qkv_bias and not args.out_bias:
+        return QWEN2
+    if args.dim % args.n_heads:
+        if args.qkv_bias:
+            raise refuse(f"hidden size {args.dim} not divisible by {args.n_heads} heads, with "
+                         "attention biases")
+        return MISTRAL
+    return LLAMA
+
+
+def hf_config_from_args(args: LlamaArgs) -> dict:
+    """The HF ``config.json`` (a dict) of the shape ``args``, for the architecture
+    ``hf_architecture_of`` picks; ``transformers.AutoConfig`` reads it."""
+    arch = hf_architecture_of(args)
+    config = {
+        "architectures": [arch], "model_type": ARCHITECTURES[arch],
+        "hidden_size": args.dim, "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads, "num_key_value_heads": args.kv_heads,
+        "head_dim": args.head_dim, "intermediate_size": args.ffn_dim,
+        "vocab_size": args.vocab_size, "rms_norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta, "max_position_embeddings": args.max_seq_len,
+        "tie_word_embeddings": args.tie_embeddings, "hidden_act": "silu",
+        "torch_dtype": "float32",
+    }
+    if arch in (LLAMA, QWEN3):
+        config["attention_bias"] = args.qkv_bias
+    if arch == LLAMA:
+        config["mlp_bias"] = False
+    if arch in (MISTRAL, MIXTRAL, QWEN2, QWEN3):
+        config["sliding_window"] = None
+    if arch in (QWEN2, QWEN3):
+        config.update({"use_sliding_window": False, "max_window_layers": args.n_layers})
+    if arch == MIXTRAL:
+        config.update({"intermediate_size": args.expert_dim,
+                       "num_local_experts": args.n_experts,
+                       "num_experts_per_tok": args.moe_top_k,
+                       "router_aux_loss_coef": args.moe_aux_loss_coeff,
+                       "router_jitter_noise": 0.0})
+    if args.rope_scaling is not None:
+        config["rope_scaling"] = _rope_to_hf(args.rope_scaling)
+    return config
+
+
+def _rope_to_hf(s: RopeScaling) -> dict:
+    """transformers' ``rope_scaling`` dict of a dtrain ``RopeScaling``."""
+    if s.kind == "llama3":
+        return {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
+                "high_freq_factor": s.high_freq_factor,
+                "original_max_position_embeddings": s.original_max_seq_len}
+    yarn = {"rope_type": "yarn", "factor": s.factor, "beta_fast": s.beta_fast,
+            "beta_slow": s.beta_slow, "mscale": s.mscale, "mscale_all_dim": s.mscale_all_dim,
+            "original_max_position_embeddings": s.original_max_seq_len}
+    if not s.truncate:  # transformers' default, and a key older versions do not know
+        yarn["truncate"] = False
+    return yarn

@@ -1,0 +1,131 @@
+"""A Megatron-LM command line in, a dtrain recipe out: the two example launch scripts (Llama 3 70B
+on 64 GPUs with TP 4 x PP 4; Mixtral 8x7B on 32 GPUs with TP 2 x EP 4) translate and pass the
+dry run at their world sizes; every flag that cannot be mapped is listed with its reason."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from dtrain.from_megatron import translate
+from dtrain.megatron_script import Command, read_script
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = ROOT / "tests" / "megatron"
+TOKENIZER = ROOT / "dtrain" / "assets" / "debug"
+
+
+def run(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT,
+                          timeout=timeout, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin"})
+
+
+@pytest.fixture(scope="module")
+def indexed_data(tmp_path_factory):
+    """Two small Megatron datasets (.bin/.idx) of the debug corpus, written by preprocess_data."""
+    folder = tmp_path_factory.mktemp("megatron_data")
+    lines = (TOKENIZER / "corpus.jsonl").read_text().splitlines()
+    prefixes = []
+    for name, part in (("a", lines[:300]), ("b", lines[300:600])):
+        (folder / f"{name}.jsonl").write_text("\n".join(part) + "\n")
+        result = run("-m", "dtrain.preprocess_data", "--input", str(folder / f"{name}.jsonl"),
+                     "--output-prefix", str(folder / name), "--tokenizer", str(TOKENIZER),
+                     "--append-eod")
+        assert result.returncode == 0, result.stderr
+        prefixes.append(str(folder / f"{name}_text_document"))
+    return prefixes
+
+
+def translated(script: str, tmp_path: Path, env: dict[str, str]) -> tuple[dict, Path, str]:
+    given = [a for name, value in env.items() for a in ("--env", f"{name}={value}")]
+    result = run("-m", "dtrain.from_megatron", str(SCRIPTS / script), *given)
+    assert result.returncode == 0, result.stderr
+    recipe = tmp_path / f"{script}.toml"
+    recipe.write_text(result.stdout)
+    return tomllib.loads(result.stdout), recipe, result.stderr
+
+
+def dry_run(recipe: Path, world: int, tmp_path: Path) -> subprocess.CompletedProcess:
+    return run("-m", "dtrain.train", "--recipe", str(recipe), "--dry-run",
+               "--dry-run-world-size", str(world), "--job.output_dir", str(tmp_path / "out"),
+               "--checkpoint.folder", str(tmp_path / "ckpt"))
+
+
+def test_llama3_70b_on_64_gpus_translates_and_dry_runs(indexed_data, tmp_path):
+    recipe, path, stderr = translated("train_llama3_70b.sh", tmp_path, {
+        "DATA_PATH": indexed_data[0], "TOKENIZER_MODEL": str(TOKENIZER)})
+    model, parallel = recipe["model"], recipe["parallel"]
+    assert (model["n_layers"], model["hidden_size"], model["n_heads"], model["n_kv_heads"],
+            model["ffn_hidden_size"], model["rope_theta"], model["tie_embeddings"]) == (
+        80, 8192, 64, 8, 28672, 500000.0, False)
+    assert (parallel["tp"], parallel["pp"], parallel["pp_virtual_stages"],
+            parallel["pp_schedule"]) == (4, 4, 4, "Interleaved1F1B")
+    assert recipe["training"]["global_batch_size"] == 1024
+    assert (recipe["lr_schedule"]["decay"], recipe["lr_schedule"]["decay_steps"]) == (
+        "cosine", 480000)
+    assert recipe["activation_checkpoint"]["mode"] == "op"  # --recompute-granularity selective
+    assert "--nnodes 8 --nproc_per_node 8" in path.read_text()
+    # the only flag not followed: inside `if [ -n "${WANDB_API_KEY}" ]`
+    assert stderr.splitlines() == [
+        "not mapped: --eval-interval: dtrain's validation does not run under a pipeline "
+        "(parallel.pp > 1): left off",
+        "not mapped: --wandb-project: inside a conditional block of the script, not followed"]
+    result = dry_run(path, 64, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "tp 4" in result.stdout and "pp 4" in result.stdout, result.stdout
+
+
+def test_mixtral_8x7b_on_32_gpus_translates_and_dry_runs(indexed_data, tmp_path):
+    blend = f"0.5 {indexed_data[0]} 0.5 {indexed_data[1]}"
+    recipe, path, stderr = translated("train_mixtral_8x7b.sh", tmp_path, {
+        "DATA_PATH": blend, "TOKENIZER_MODEL": str(TOKENIZER)})
+    model, parallel = recipe["model"], recipe["parallel"]
+    assert (model["n_experts"], model["moe_top_k"], model["moe_aux_loss_coeff"],
+            model["ffn_hidden_size"], model["n_kv_heads"]) == (8, 2, 0.01, 14336, 8)
+    assert (parallel["tp"], parallel["pp"], parallel["ep"]) == (2, 1, 4)
+    assert recipe["data"]["path"] == blend and recipe["data"]["source"] == "indexed"
+    assert stderr == ""
+    result = dry_run(path, 32, tmp_path)
+    assert result.returncode == 0, result.stderr
+
+
+def test_flags_without_an_equivalent_are_listed_with_the_reason(tmp_path):
+    out = translate(Command(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads",
+                             "4", "--normalization", "LayerNorm", "--hidden-dropout", "0.1",
+                             "--mock-data", "--optimizer", "sgd", "--no-such-flag", "3"]))
+    assert out.unmapped == [
+        "--normalization LayerNorm: dtrain's blocks use RMSNorm",
+        "--hidden-dropout 0.1: dtrain trains without dropout",
+        "--mock-data: dtrain trains on real data: set data.path",
+        "--optimizer sgd: dtrain trains with AdamW",
+        "--no-such-flag 3: no dtrain equivalent"]
+    # Megatron's defaults where the base differs: tied, MHA, its FFN rule, fp32 without --bf16
+    assert (out.keys["model.tie_embeddings"], out.keys["model.n_kv_heads"],
+            out.keys["model.ffn_hidden_size"], out.keys["training.mixed_precision"]) == (
+        True, 4, 128, "fp32")
+
+
+def test_the_command_line_form_and_megatron_s_schedule_arithmetic():
+    out = translate(Command(["--num-layers", "4", "--global-batch-size", "8",
+                             "--train-samples", "800", "--lr-warmup-fraction", "0.1",
+                             "--moe-layer-freq", "([0]*1+[1]*3)", "--num-experts", "4"]))
+    assert (out.keys["training.steps"], out.keys["lr_schedule.warmup_steps"],
+            out.keys["model.moe_first_dense_layers"]) == (100, 10, 1)
+
+
+def test_a_script_without_pretrain_gpt_is_one_line(tmp_path):
+    script = tmp_path / "other.sh"
+    script.write_text("echo hello\n")
+    result = run("-m", "dtrain.from_megatron", str(script))
+    assert result.returncode == 2
+    assert result.stderr.strip() == ("error: no line of the script runs pretrain_gpt.py: give the "
+                                     "script that launches it, or its arguments after --")
+    command = read_script("A=3\nB=${C:-$((A*4))}\nARGS=(\n  --x $B  # note\n)\n"
+                          "python pretrain_gpt.py ${ARGS[@]} --y \"two words\"\n")
+    assert command.args == ["--x", "12", "--y", "two words"]
+    assert json.dumps(command.args)

@@ -1,0 +1,158 @@
+"""Hugging Face models of the five supported architectures, in shapes no dtrain preset has (odd
+head counts, MQA and GQA, head widths other than hidden / heads, biases, qk-norm, tied and untied
+embeddings, Llama 3.1 and YaRN RoPE scaling, three experts top-1): an import computes
+transformers' logits, and its export loads in transformers with the same logits. Configs that
+dtrain cannot compute are refused in one line naming the problem."""
+
+import pytest
+import torch
+import transformers
+
+from dtrain.config import ConfigError
+from dtrain.hf_checkpoint import args_from_hf_config, export_hf, import_hf, load_model
+
+# fp32 on CPU, eager attention in transformers: the two sides differ only in the order of float
+# operations and in RoPE angles (float64 here, float32 there).
+ATOL = 1e-5
+COMMON = {"num_hidden_layers": 2, "vocab_size": 96, "max_position_embeddings": 64,
+          "rms_norm_eps": 1e-6}
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 16}
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+
+# id -> (config class, its fields, the class the export loads as)
+SHAPES = {
+    "llama-5-heads-mqa-biases-llama3": (transformers.LlamaConfig, dict(
+        hidden_size=60, num_attention_heads=5, num_key_value_heads=1, intermediate_size=88,
+        attention_bias=True, rope_theta=500000.0, rope_scaling=LLAMA3), "LlamaForCausalLM"),
+    "llama-3-heads-tied-yarn-mscale": (transformers.LlamaConfig, dict(
+        hidden_size=48, num_attention_heads=3, num_key_value_heads=3, intermediate_size=80,
+        tie_word_embeddings=True, rope_theta=10000.0,
+        rope_scaling={**YARN, "beta_fast": 8.0, "beta_slow": 0.5, "mscale": 0.8,
+                      "mscale_all_dim": 0.4, "truncate": False}), "LlamaForCausalLM"),
+    "mistral-6-heads-gqa-head-dim-12": (transformers.MistralConfig, dict(
+        hidden_size=64, num_attention_heads=6, num_key_value_heads=2, head_dim=12,
+        intermediate_size=72, sliding_window=None, rope_theta=1e6), "MistralForCausalLM"),
+    "mixtral-3-experts-top-1-mqa": (transformers.MixtralConfig, dict(
+        hidden_size=48, num_attention_heads=3, num_key_value_heads=1, intermediate_size=40,
+        num_local_experts=3, num_experts_per_tok=1, rope_theta=1e6), "MixtralForCausalLM"),
+    "qwen2-7-heads-mha-tied-yarn": (transformers.Qwen2Config, dict(
+        hidden_size=56, num_attention_heads=7, num_key_value_heads=7, intermediate_size=96,
+        tie_word_embeddings=True, rope_theta=1e6, rope_scaling=YARN), "Qwen2ForCausalLM"),
+    "qwen3-qk-norm-head-dim-16-mqa": (transformers.Qwen3Config, dict(
+        hidden_size=40, num_attention_heads=5, num_key_value_heads=1, head_dim=16,
+        intermediate_size=64, rope_theta=1e6), "Qwen3ForCausalLM"),
+    "qwen3-gqa-biases-untied": (transformers.Qwen3Config, dict(
+        hidden_size=48, num_attention_heads=6, num_key_value_heads=3, head_dim=10,
+        intermediate_size=64, attention_bias=True, rope_theta=1e6), "Qwen3ForCausalLM"),
+}
+
+
+def random_hf(config_class, fields: dict) -> transformers.PreTrainedModel:
+    """A transformers model with every parameter random: biases and norm weights too, which
+    transformers initialises to 0 and 1 (so a wrong permutation of them would go unseen);
+    weights of std 0.1, so that attention is far from uniform and RoPE matters."""
+    config = config_class(**COMMON, **fields)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
+    return model.eval()
+
+
+def max_error(ours, theirs, tokens) -> float:
+    with torch.no_grad():
+        return (ours(tokens) - theirs(tokens).logits).abs().max().item()
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_import_gives_transformers_logits_and_export_loads_with_them(tmp_path, shape):
+    config_class, fields, exported_as = SHAPES[shape]
+    hf = random_hf(config_class, fields)
+    hf.save_pretrained(tmp_path / "hf")
+    args = import_hf(tmp_path / "hf", tmp_path / "ckpt")
+    ours = load_model(tmp_path / "ckpt", args).eval()
+    tokens = torch.randint(0, COMMON["vocab_size"], (2, 24))
+    assert max_error(ours, hf, tokens) < ATOL
+
+    export_hf(ours, tmp_path / "out", torch.float32)
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out",
+                                                             attn_implementation="eager").eval()
+    assert type(back).__name__ == exported_as
+    assert max_error(ours, back, tokens) < ATOL
+
+
+def test_the_shape_fields_follow_the_architecture():
+    base = {"hidden_size": 48, "num_hidden_layers": 2, "num_attention_heads": 6,
+            "num_key_value_heads": 2, "intermediate_size": 64, "vocab_size": 64}
+    qwen2 = args_from_hf_config({**base, "architectures": ["Qwen2ForCausalLM"]})
+    assert (qwen2.qkv_bias, qwen2.out_bias, qwen2.qk_norm, qwen2.head_size) == (True, False,
+                                                                                False, None)
+    qwen3 = args_from_hf_config({**base, "model_type": "qwen3", "attention_bias": True})
+    assert (qwen3.qkv_bias, qwen3.out_bias, qwen3.qk_norm, qwen3.head_dim) == (True, True,
+                                                                               True, 128)
+    mistral = args_from_hf_config({**base, "model_type": "mistral", "attention_bias": True,
+                                   "sliding_window": None, "head_dim": 16})
+    assert (mistral.qkv_bias, mistral.head_size) == (False, 16)  # Mistral has no biases
+    mixtral = args_from_hf_config({**base, "model_type": "mixtral", "num_local_experts": 3,
+                                   "num_experts_per_tok": 1, "router_aux_loss_coef": 0.02})
+    assert (mixtral.n_experts, mixtral.moe_top_k, mixtral.moe_router, mixtral.moe_norm_topk,
+            mixtral.moe_aux_loss_coeff, mixtral.moe_layers) == (3, 1, "softmax", True, 0.02, None)
+
+
+def test_transformers_4_and_5_rope_layouts_give_the_same_shape():
+    base = {"architectures": ["LlamaForCausalLM"], "hidden_size": 32, "num_hidden_layers": 1,
+            "num_attention_heads": 4, "intermediate_size": 64, "vocab_size": 64}
+    older = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+    v4 = args_from_hf_config({**base, "rope_theta": 5e5, "rope_scaling": older})
+    v5 = args_from_hf_config({**base, "rope_parameters": {**YARN, "rope_theta": 5e5}})
+    assert v4 == v5 and v5.rope_theta == 5e5 and v5.rope_scaling.kind == "yarn"
+    plain = args_from_hf_config({**base, "rope_parameters": {"rope_type": "default",
+                                                             "rope_theta": 1e6}})
+    assert plain.rope_theta == 1e6 and plain.rope_scaling is None
+
+
+def test_a_sliding_window_that_no_layer_uses_is_accepted():
+    # Qwen2.5's configs: a window is named but switched off, or starts after the last layer.
+    base = {"architectures": ["Qwen2ForCausalLM"], "hidden_size": 32, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "intermediate_size": 64, "vocab_size": 64,
+            "sliding_window": 131072}
+    args_from_hf_config({**base, "use_sliding_window": False})
+    args_from_hf_config({**base, "use_sliding_window": True, "max_window_layers": 2})
+
+
+DENSE = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "intermediate_size": 64, "vocab_size": 64}
+REFUSED = {
+    "mistral-sliding-window": ({**DENSE, "architectures": ["MistralForCausalLM"],
+                                "sliding_window": 4096}, "sliding_window 4096"),
+    "mistral-default-window": ({**DENSE, "model_type": "mistral"}, "sliding-window attention"),
+    "qwen2-sliding-window": ({**DENSE, "architectures": ["Qwen2ForCausalLM"],
+                              "use_sliding_window": True, "sliding_window": 64,
+                              "max_window_layers": 1}, "sliding_window 64"),
+    "dynamic-rope": ({**DENSE, "model_type": "llama",
+                      "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
+                     "RoPE type 'dynamic': only default, llama3, yarn"),
+    "mlp-bias": ({**DENSE, "model_type": "llama", "mlp_bias": True}, "mlp_bias"),
+    "gelu": ({**DENSE, "model_type": "llama", "hidden_act": "gelu"}, "hidden_act 'gelu'"),
+    "other-architecture": ({**DENSE, "architectures": ["GemmaForCausalLM"]},
+                           "GemmaForCausalLM: only LlamaForCausalLM, MistralForCausalLM, "
+                           "MixtralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_what_dtrain_cannot_compute_is_refused_in_one_line(case):
+    config, message = REFUSED[case]
+    with pytest.raises(ConfigError, match=message) as refused:
+        args_from_hf_config(config)
+    assert "\n" not in str(refused.value)
+
+
+def test_a_gpt2_folder_is_refused_in_one_line(tmp_path):
+    config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=8)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match="GPT2LMHeadModel: only LlamaForCausalLM") as refused:
+        import_hf(tmp_path, tmp_path / "ckpt")
+    assert "\n" not in str(refused.value)
