@@ -25,7 +25,7 @@ from dtrain.data.loader import Prefetcher, build_loader
 from dtrain.data.tokenizer import Tokenizer, padded_vocab_size
 from dtrain.lr_schedule import LRSchedule
 from dtrain.metrics import model_flops_per_token
-from dtrain.model_shape import model_args_of
+from dtrain.model_shape import describe_shape, model_args_of
 from dtrain.models import Transformer
 from dtrain.optim import build_optimizer
 from dtrain.parallel import ParallelDims, describe_parallelize, parallelize
@@ -160,8 +160,9 @@ def build_model(cfg: Config, dims: ParallelDims, mesh: DeviceMesh | None, device
                          dtype, cfg.fp8, cfg.training.seq_len) for part in parts]
     if all_gather and cfg.fp8.fused_weight_cast:
         fuse_fp8_weight_cast(parts)
-    features = describe_parallelize(dims, cfg.parallel, cfg.activation_checkpoint, cfg.compile,
-                                    cfg.fp8, fp8_layers, all_gather)
+    features = [line] if (line := describe_shape(cfg.model)) else []
+    features += describe_parallelize(dims, cfg.parallel, cfg.activation_checkpoint, cfg.compile,
+                                     cfg.fp8, fp8_layers, all_gather)
     return BuiltModel(parts, stage_indices, num_stages, num_params, flops, dtype, fp8_layers,
                       all_gather, features)
 

@@ -124,6 +124,19 @@ def model_args_of(cfg: ModelConfig, microbatches: int = 1) -> LlamaArgs:
     return args
 
 
+def describe_shape(cfg: ModelConfig) -> str | None:
+    """The start-up summary's line of where the shape came from, where it is not a preset as
+    it is (None then)."""
+    keys = [key for key in (*SHAPE_KEYS, *ROPE_KEYS, "moe_layer_freq", "moe_first_dense_layers")
+            if getattr(cfg, key) is not None]
+    keys += [key for key in ("n_layers", "vocab_size") if getattr(cfg, key)]
+    keys += ["rope_scaling"] if cfg.rope_scaling != "preset" else []
+    base = f"{cfg.hf_config} (model.hf_config)" if cfg.hf_config else f"preset {cfg.name}"
+    if not keys and not cfg.hf_config:
+        return None
+    return f"shape: {base}" + (f", with {', '.join(keys)} set" if keys else "")
+
+
 def check_shape(args: LlamaArgs) -> None:
     """Cross-checks of a shape; raises ConfigError naming the [model] keys and the fix."""
     if args.head_size is None and args.dim % args.n_heads:

@@ -300,7 +300,13 @@ class Run:
 def feature_lines(run: Run) -> list[str]:
     """One line per feature of ``run``, each from its component's ``describe()``, for the
     start-up summary."""
-    lines = [f"resumed from step {run.step} ({run.checkpointer.folder})"] if run.step else []
+    cfg = run.config
+    if run.step:
+        lines = [f"resumed from step {run.step} ({run.checkpointer.folder})"]
+    elif cfg.checkpoint.initial_weights:
+        lines = [f"weights: from {cfg.checkpoint.initial_weights} (checkpoint.initial_weights)"]
+    else:
+        lines = [f"weights: initialised from seed {cfg.training.seed}"]
     if run.pipeline is not None:
         lines.append(run.pipeline.describe())
     lines += run.model_features  # what parallelize applied

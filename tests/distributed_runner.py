@@ -12,15 +12,16 @@ import sys
 import torch
 
 from dtrain import Trainer, load_config
-from dtrain.models import build
+from dtrain.model_shape import model_args_of
+from dtrain.models import Transformer
 from dtrain.models.llama import canonical_name
 
 
 def initial_weights_match(trainer: Trainer) -> bool:
     """Gathers every parameter and compares it with the single-device build for the same seed."""
     cfg = trainer.config
-    reference = build(cfg.model.name, device="cpu", seed=cfg.training.seed,
-                      n_layers=cfg.model.n_layers, vocab_size=cfg.model.vocab_size)
+    reference = Transformer(model_args_of(cfg.model))  # the [model] section's shape
+    reference.init_weights(cfg.training.seed)
     expected = dict(reference.named_parameters())
     for part in trainer.model_parts:  # pipeline stages hold disjoint parts of the model
         for name, param in part.named_parameters():
@@ -49,7 +50,8 @@ def main() -> None:
     for overrides in json.load(open(spec_path)):
         until = overrides.pop("_until", None)  # stop early, as a killed job would
         poison = overrides.pop("_poison", None)  # {"step": s, "rank": r}: a NaN gradient there
-        trainer = Trainer(load_config("debug", overrides))
+        recipe = overrides.pop("_recipe", "debug")  # a TOML file, or the debug recipe
+        trainer = Trainer(load_config(recipe, overrides))
         if poison is not None and trainer.rank == poison["rank"]:
             poison_gradient(trainer, poison["step"])
         # After a resume the weights are the checkpoint's, not the initial ones.

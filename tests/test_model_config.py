@@ -17,6 +17,7 @@ from dtrain.config import ConfigError, help_text
 from dtrain.model_shape import SHAPE_KEYS, model_args_of
 from dtrain.models import Transformer, model_args
 from dtrain.plan.dry_run import dry_run
+from dtrain.run import feature_lines
 
 # A shape no preset has: 6 query heads over 2 KV heads of 40 channels (not 192 / 6), an
 # explicit feed-forward width, QKV biases and QK-norm, untied, YaRN.
@@ -109,6 +110,10 @@ def test_a_shape_declared_only_in_a_toml_recipe_trains_and_is_saved_as_set(tmp_p
                       "[training]\nsteps = 3\nseq_len = 64\nglobal_batch_size = 2\n"
                       "micro_batch_size = 1\n[metrics]\nlog_every = 1\ntensorboard = false\n")
     trainer = Trainer(load_config(recipe, {"job.output_dir": str(tmp_path / "out")}))
+    lines = feature_lines(trainer)  # the start-up summary says where shape and weights came from
+    assert lines[0] == "weights: initialised from seed 42"
+    assert lines[1].startswith("shape: preset llama3_debug, with hidden_size, n_heads, "
+                               "n_kv_heads, head_dim, ffn_hidden_size") and "qk_norm" in lines[1]
     records = trainer.train()
     assert [r["step"] for r in records] == [1, 2, 3]
     attention = trainer.model.layers["0"].attention
