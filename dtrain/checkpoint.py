@@ -450,8 +450,8 @@ def check_initial_weights(path: str | Path) -> None:
 def _initial_weights_names(path: str | Path) -> tuple[str, str]:
     """(what, fix) of the initial weights' errors."""
     return (f"checkpoint.initial_weights = {str(path)!r}",
-            "Give a checkpoint of this model's shape (made by tools/convert_hf.py import or by a "
-            "dtrain run)")
+            "Give a checkpoint of this model's shape (made by python -m dtrain.convert_hf import "
+            "or by a dtrain run)")
 
 
 def read_checkpoint(state: dict[str, Any], path: str | Path, what: str, fix: str,

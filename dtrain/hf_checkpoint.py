@@ -14,7 +14,8 @@ dtrain's ``[n_experts, ...]`` parameters, and the router is ``block_sparse_moe.g
 
 ``import_hf`` writes a model-only DCP checkpoint that a run starts from with
 ``checkpoint.initial_weights``, under any parallel layout; ``export_hf`` turns a dtrain
-checkpoint back into a folder that ``transformers`` loads.
+model back into a folder that ``transformers`` loads. ``python -m dtrain.convert_hf`` is their
+command line, which also writes the recipe of an import and the tokenizer of an export.
 """
 
 from __future__ import annotations
@@ -208,15 +209,18 @@ def load_model(checkpoint: str | Path, args: LlamaArgs) -> Transformer:
     model = Transformer(args)
     state = {"model": model.state_dict()}
     read_checkpoint(state, checkpoint, f"checkpoint {checkpoint} as a {args.n_layers}-layer "
-                    f"model of dim {args.dim}", "Name the preset the run trained (and its "
-                    "layer count)")
+                    f"model of dim {args.dim}", "Export the run folder, whose config.toml "
+                    "gives the shape, or name the preset the run trained (and its layer count)")
     model.load_state_dict(state["model"])
     return model
 
 
-def export_hf(model: Transformer, out: str | Path, dtype: torch.dtype = torch.bfloat16) -> None:
+def export_hf(model: Transformer, out: str | Path, dtype: torch.dtype = torch.bfloat16,
+              token_ids: dict[str, int] | None = None) -> None:
     """Writes a full (unsharded, single-process) dtrain model as an HF folder of the
-    architecture ``hf_config_from_args`` picks for its shape (ConfigError where none has it)."""
+    architecture ``hf_config_from_args`` picks for its shape (ConfigError where none has it),
+    its weights in ``dtype``; ``token_ids`` (``bos_token_id``, ``eos_token_id``) go into its
+    config.json."""
     from safetensors.torch import save_file
 
     from dtrain.models.llama import canonical_name
@@ -229,4 +233,5 @@ def export_hf(model: Transformer, out: str | Path, dtype: torch.dtype = torch.bf
     save_file(to_hf_state_dict(ours, model.args), str(out / "model.safetensors"),
               metadata={"format": "pt"})
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
+    config.update(token_ids or {})
     (out / "config.json").write_text(json.dumps(config, indent=1))

@@ -271,7 +271,8 @@ class Run:
         mesh = " x ".join(f"{n} {getattr(dims, n)}" for n in
                           ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
                           if getattr(dims, n) > 1) or "one rank"
-        logger.info(f"{cfg.job.name}: {cfg.model.name}, {self.num_params / 1e6:,.1f}M parameters"
+        name = "model.hf_config's shape" if cfg.model.hf_config else cfg.model.name
+        logger.info(f"{cfg.job.name}: {name}, {self.num_params / 1e6:,.1f}M parameters"
                     f" | world {self.world_size} ({self.device.type}): {mesh} | "
                     f"{str(self.compute_dtype).removeprefix('torch.')} compute")
         logger.info(f"batch: {self.global_batch} sequences x {tcfg.seq_len} tokens = micro "

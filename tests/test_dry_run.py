@@ -60,7 +60,7 @@ def test_missing_initial_weights_are_the_launchs_line(tmp_path, capsys, make, pr
     assert line.startswith(f"error: checkpoint.initial_weights = '{path}' cannot be loaded: "
                            f"{problem.format(path=path)}")
     assert line.endswith("Give a checkpoint of this model's shape (made by "
-                         "tools/convert_hf.py import or by a dtrain run)")
+                         "python -m dtrain.convert_hf import or by a dtrain run)")
 
 
 def test_initial_weights_are_not_read_by_a_run_that_resumes(tmp_path, capsys):

@@ -1,14 +1,17 @@
-"""HF transformers LLaMA and Mixtral checkpoints: import gives HF's logits, export loads in
-transformers with the same logits, a run starts from imported weights, and damaged folders are
-clear errors."""
+"""HF transformers LLaMA, Qwen3 and Mixtral checkpoints: import gives HF's logits and a recipe
+whose run starts from them, export loads in transformers with the same logits, and damaged
+folders are clear errors."""
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
 import transformers
 
-from dtrain import Trainer, load_config
+import dtrain.assets
+from dtrain import Trainer, convert_hf, load_config
 from dtrain.config import ConfigError
 from dtrain.data.loader import DataLoader, build_text_dataset
 from dtrain.hf_checkpoint import export_hf, import_hf, load_model
@@ -56,30 +59,68 @@ def test_import_matches_hf_logits_and_export_loads_in_transformers(tmp_path, tie
     assert isinstance(back, transformers.LlamaForCausalLM)
 
 
-def test_a_run_starts_from_imported_weights(tmp_path):
-    # The debug model's shape as an HF model: the run's first loss equals HF's on that batch.
-    config = transformers.LlamaConfig(
-        hidden_size=256, intermediate_size=704, num_hidden_layers=1, num_attention_heads=8,
-        num_key_value_heads=4, vocab_size=4096, max_position_embeddings=2048, rms_norm_eps=1e-5,
-        rope_theta=500000.0, tie_word_embeddings=False)
+# A shape no preset has (Qwen3: qk-norm, head_dim 10 for hidden 48 / 6 heads, GQA), with the
+# debug tokenizer's 4096 ids; every parameter random, norms and all.
+QWEN3 = dict(hidden_size=48, num_attention_heads=6, num_key_value_heads=2, head_dim=10,
+             intermediate_size=64, num_hidden_layers=2, vocab_size=4096,
+             max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=1e6)
+TINY_RUN = {"training.steps": 5, "training.seq_len": 32, "training.global_batch_size": 2,
+            "training.micro_batch_size": 1, "metrics.tensorboard": False,
+            "metrics.log_every": 1, "data.tokenizer": "builtin:debug/tokenizer.json"}
+
+
+def imported_qwen3(tmp_path, capsys, tokenizer: bool = False):
+    """A random Qwen3 (with the debug tokenizer.json where ``tokenizer``) imported by ``python -m
+    dtrain.convert_hf import`` into tmp_path / "ckpt"; returns the transformers model and what
+    the command printed."""
+    config = transformers.Qwen3Config(**QWEN3)
     torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM(config).eval()
-    hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
-    import_hf(tmp_path / "hf", tmp_path / "ckpt")
-    cfg = load_config("debug", {"model.n_layers": 1, "training.seq_len": 64,
-                                "training.global_batch_size": 1, "training.micro_batch_size": 1,
-                                "training.steps": 1, "metrics.log_every": 1,
-                                "metrics.tensorboard": False, "job.output_dir": str(tmp_path),
-                                "checkpoint.initial_weights": str(tmp_path / "ckpt")})
+    hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
+    hf.save_pretrained(tmp_path / "hf")
+    if tokenizer:
+        shutil.copy(Path(dtrain.assets.__file__).parent / "debug" / "tokenizer.json",
+                    tmp_path / "hf")
+    assert convert_hf.main(["import", str(tmp_path / "hf"), str(tmp_path / "ckpt")]) == 0
+    return hf.eval(), capsys.readouterr().out
+
+
+def test_an_import_writes_a_recipe_that_trains_from_the_imported_weights(tmp_path, capsys):
+    hf, printed = imported_qwen3(tmp_path, capsys)
+    recipe = tmp_path / "ckpt" / "recipe.toml"
+    assert f"python -m dtrain.train --recipe {recipe}" in printed
+    cfg = load_config(recipe, {**TINY_RUN, "job.output_dir": str(tmp_path / "runs")})
     trainer = Trainer(cfg)
     first = trainer.train()[0]["loss"]
-    # The same first window, read by a fresh loader.
-    data = build_text_dataset(cfg.data, trainer.tokenizer, 64)
-    inputs, labels = DataLoader(data, 1, seed=cfg.training.seed).next_batch()
+    # The same first two windows (two micro-batches of one), read by a fresh loader.
+    data = build_text_dataset(cfg.data, trainer.tokenizer, 32)
+    inputs, labels = DataLoader(data, 2, seed=cfg.training.seed).next_batch()
     with torch.no_grad():
         want = torch.nn.functional.cross_entropy(hf(inputs).logits.flatten(0, 1),
                                                  labels.flatten()).item()
+    # fp32 on CPU: the two sides differ only in the order of float operations.
     assert first == pytest.approx(want, rel=1e-5)
+
+
+def test_the_recipe_of_an_import_names_the_model_tokenizer_and_weights(tmp_path, capsys):
+    imported_qwen3(tmp_path, capsys, tokenizer=True)
+    out = tmp_path / "ckpt"
+    cfg = load_config(out / "recipe.toml")
+    assert cfg.model.hf_config == str(out / "hf_config.json")
+    assert json.loads((out / "hf_config.json").read_text())["head_dim"] == 10
+    assert cfg.checkpoint.initial_weights == str(out)
+    assert cfg.data.tokenizer == str(tmp_path / "hf")
+    assert cfg.training.seq_len == 64  # the model's longest sequence, below dtrain's default
+
+
+def test_the_start_up_says_where_the_weights_came_from(tmp_path, capsys):
+    imported_qwen3(tmp_path, capsys)
+    out = tmp_path / "ckpt"
+    Trainer(load_config(out / "recipe.toml", {**TINY_RUN, "job.output_dir": str(tmp_path)}))
+    lines = capsys.readouterr().out.splitlines()
+    assert any(str(out) in line and "weights" in line for line in lines), lines
 
 
 def test_missing_shard_and_damaged_file_are_clear_errors(tmp_path):
@@ -113,14 +154,14 @@ def test_initial_weights_of_another_shape_are_refused(tmp_path):
         Trainer(cfg)
 
 
-def test_convert_tool_round_trip_and_export_of_a_training_checkpoint(tmp_path):
+def test_the_command_line_round_trip_of_an_imported_checkpoint(tmp_path):
     import subprocess
     import sys
 
     from conftest import ROOT
 
     def tool(*args):
-        return subprocess.run([sys.executable, "tools/convert_hf.py", *map(str, args)],
+        return subprocess.run([sys.executable, "-m", "dtrain.convert_hf", *map(str, args)],
                               capture_output=True, text=True, cwd=ROOT, timeout=300)
 
     hf = tiny_hf(tmp_path / "hf", tied=False)
@@ -131,28 +172,10 @@ def test_convert_tool_round_trip_and_export_of_a_training_checkpoint(tmp_path):
     back = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out").eval()
     with torch.no_grad():
         assert (back(tokens).logits - hf(tokens).logits).abs().max().item() < ATOL
-    # A training checkpoint (model + optimizer + ...) exports its model by preset name.
-    cfg = load_config("debug", {"model.n_layers": 1, "training.seq_len": 64,
-                                "training.global_batch_size": 1, "training.steps": 1,
-                                "training.micro_batch_size": 1, "metrics.tensorboard": False,
-                                "checkpoint.enabled": True,
-                                "job.output_dir": str(tmp_path)})
-    trainer = Trainer(cfg)
-    trainer.train()
-    step = tmp_path / "debug" / "checkpoints" / "step-0000001"
-    missing = tool("export", step, tmp_path / "out2")
+    alone = tmp_path / "alone"  # neither a run's nor an imported checkpoint
+    alone.mkdir()
+    missing = tool("export", alone, tmp_path / "out2")
     assert missing.returncode == 2 and "name the model with --model" in missing.stderr
-    # --model llama3_debug has 4 layers; this run trained 1: the shapes disagree.
-    wrong = tool("export", step, tmp_path / "out2", "--model", "llama3_debug")
-    assert wrong.returncode == 2
-    assert "as a 4-layer model of dim 256 cannot be loaded" in wrong.stderr
-    right = tool("export", step, tmp_path / "out2", "--model", "llama3_debug", "--n-layers", 1,
-                 "--dtype", "fp32")
-    assert right.returncode == 0, right.stderr
-    exported = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out2").eval()
-    tokens = torch.randint(0, 4096, (1, 16))
-    with torch.no_grad():
-        assert (exported(tokens).logits - trainer.model(tokens)).abs().max().item() < ATOL
 
 
 def test_mixtral_import_matches_hf_logits_and_export_loads_in_transformers(tmp_path):

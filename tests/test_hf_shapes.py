@@ -4,17 +4,27 @@ embeddings, Llama 3.1 and YaRN RoPE scaling, three experts top-1): an import com
 transformers' logits, and its export loads in transformers with the same logits. Configs that
 dtrain cannot compute are refused in one line naming the problem."""
 
+import math
+
 import pytest
 import torch
 import transformers
 
+from dtrain import Trainer, load_config
 from dtrain.config import ConfigError
+from dtrain.convert_hf import write_recipe
 from dtrain.hf_checkpoint import args_from_hf_config, export_hf, import_hf, load_model
+from dtrain.run import feature_lines
+
+TINY_RUN = {"training.steps": 5, "training.seq_len": 32, "training.global_batch_size": 2,
+            "training.micro_batch_size": 1, "metrics.tensorboard": False,
+            "metrics.log_every": 1, "data.tokenizer": "builtin:debug/tokenizer.json"}
 
 # fp32 on CPU, eager attention in transformers: the two sides differ only in the order of float
 # operations and in RoPE angles (float64 here, float32 there).
 ATOL = 1e-5
-COMMON = {"num_hidden_layers": 2, "vocab_size": 96, "max_position_embeddings": 64,
+# The debug tokenizer's 4096 ids: each imported model also trains from its recipe with it.
+COMMON = {"num_hidden_layers": 2, "vocab_size": 4096, "max_position_embeddings": 64,
           "rms_norm_eps": 1e-6}
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 16}
@@ -72,6 +82,7 @@ def test_import_gives_transformers_logits_and_export_loads_with_them(tmp_path, s
     hf = random_hf(config_class, fields)
     hf.save_pretrained(tmp_path / "hf")
     args = import_hf(tmp_path / "hf", tmp_path / "ckpt")
+    recipe = write_recipe(tmp_path / "hf", tmp_path / "ckpt", args)  # as `convert_hf import`
     ours = load_model(tmp_path / "ckpt", args).eval()
     tokens = torch.randint(0, COMMON["vocab_size"], (2, 24))
     assert max_error(ours, hf, tokens) < ATOL
@@ -81,6 +92,14 @@ def test_import_gives_transformers_logits_and_export_loads_with_them(tmp_path, s
                                                              attn_implementation="eager").eval()
     assert type(back).__name__ == exported_as
     assert max_error(ours, back, tokens) < ATOL
+
+    # The recipe the import wrote trains as it is (5 steps on the CPU, from these weights).
+    trainer = Trainer(load_config(recipe, {
+        **TINY_RUN, "job.output_dir": str(tmp_path / "runs")}))
+    assert feature_lines(trainer)[0].startswith(f"weights: from {tmp_path / 'ckpt'}")
+    records = trainer.train()
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    assert all(math.isfinite(r["loss"]) for r in records)
 
 
 def test_the_shape_fields_follow_the_architecture():

@@ -268,7 +268,7 @@ def test_a_checkpoint_of_another_shape_is_refused_everywhere(cli, tmp_path):
     with pytest.raises(ConfigError, match="another model shape"):
         Trainer(load_config("debug", {**BASE, "checkpoint.initial_weights": str(step),
                                       "job.output_dir": str(tmp_path / "init")}))
-    export = subprocess.run([sys.executable, "tools/convert_hf.py", "export", str(step),
+    export = subprocess.run([sys.executable, "-m", "dtrain.convert_hf", "export", str(step),
                              str(tmp_path / "hf"), "--model", "llama3_debug", "--n-layers", "2"],
                             capture_output=True, text=True, cwd=ROOT)
     assert export.returncode == 2 and "another model shape" in export.stderr

@@ -362,8 +362,9 @@ class CheckpointConfig:
     load_step: int = ranged(0, lambda v: v >= 0, "an integer >= 0")
     """Resume from this step's checkpoint instead of the latest (0 = latest)."""
     initial_weights: str = ""
-    """Start a new run from these model weights: a checkpoint made by tools/convert_hf.py
-    import, or any dtrain checkpoint step folder (ignored when resuming a run)."""
+    """Start a new run from these model weights: a checkpoint made by ``python -m
+    dtrain.convert_hf import``, or any dtrain checkpoint step folder (ignored when resuming a
+    run)."""
     load_unverified: bool = False
     """Load a checkpoint without checking its files against the hashes recorded when they were
     written (for one whose hash records are missing or damaged); said at start-up."""

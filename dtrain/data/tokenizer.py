@@ -41,6 +41,11 @@ class Tokenizer:
         self.eos_id = self._token_id(eos or _content(special.get("eos_token")), "eos")
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
 
+    @property
+    def hf_tokenizer(self) -> HFTokenizer:
+        """The ``tokenizers.Tokenizer`` underneath (for saving it as a tokenizer.json)."""
+        return self._tok
+
     def _token_id(self, token: str | None, which: str) -> int | None:
         if token is None:
             return None
