@@ -132,7 +132,7 @@ def test_damaged_dataset_names_the_file_and_the_fix(tmp_path, damage, message):
     damage(tmp_path)
     with pytest.raises(ConfigError, match=message) as error:
         IndexedDataset(tmp_path / "d")
-    assert "preprocess_data.py" in str(error.value)
+    assert "python -m dtrain.preprocess_data" in str(error.value)
 
 
 # The index of write(tmp_path / "d", [[1, 2, 3], [4, 5, 6]]): S = 2 sequences of uint16 tokens
