@@ -1,4 +1,5 @@
-"""Hugging Face model folders <-> dtrain checkpoints (LLaMA, Mistral, Mixtral, Qwen2, Qwen3).
+"""Hugging Face model folders <-> dtrain checkpoints (LLaMA, Mistral, Mixtral, Qwen2, Qwen3,
+Qwen3-MoE).
 
     python -m dtrain.convert_hf import HF_FOLDER OUT
         OUT: a model-only checkpoint, and OUT/recipe.toml that trains from it as it is:

@@ -1,4 +1,5 @@
-"""Hugging Face checkpoints of LLaMA, Mistral, Mixtral, Qwen2 and Qwen3 <-> dtrain weights.
+"""Hugging Face checkpoints of LLaMA, Mistral, Mixtral, Qwen2, Qwen3 and Qwen3-MoE <-> dtrain
+weights.
 
 HF stores a model as safetensors (one file, or shards with ``model.safetensors.index.json``)
 beside ``config.json``, whose mapping to ``LlamaArgs`` is ``dtrain.hf_config``'s. Names map one to
@@ -7,10 +8,13 @@ Qwen3's ``self_attn.q_norm`` / ``k_norm`` alike); what RoPE rotates is also perm
 rotates the two halves of each head (``rotate_half``) where dtrain, like Meta's reference code,
 rotates interleaved pairs: the rows of wq and wk, their biases, and within its one head the
 weights of q_norm and k_norm. Grouped-query attention and an explicit head width need nothing
-more. ``MixtralForCausalLM`` keeps one tensor per expert
-(``block_sparse_moe.experts.<e>.w1.weight``; transformers 5 models hold them fused as
-``mlp.experts.gate_up_proj`` / ``down_proj``, and either is read): they are stacked into
-dtrain's ``[n_experts, ...]`` parameters, and the router is ``block_sparse_moe.gate``.
+more. Checkpoints keep one tensor per expert, ``block_sparse_moe.experts.<e>.w1.weight`` (w1,
+w2, w3) in Mixtral's, ``mlp.experts.<e>.gate_proj.weight`` (gate_proj, down_proj, up_proj) in
+Qwen3-MoE's, as transformers 5 still saves them (its models hold them fused in memory, as
+``mlp.experts.gate_up_proj`` / ``down_proj``, and that layout is read too): they are stacked into
+dtrain's ``[n_experts, ...]`` parameters, and the router is ``block_sparse_moe.gate`` or
+``mlp.gate``. Qwen3-MoE's dense blocks keep Qwen3's ``mlp.gate_proj`` / ``up_proj`` /
+``down_proj``.
 
 ``import_hf`` writes a model-only DCP checkpoint that a run starts from with
 ``checkpoint.initial_weights``, under any parallel layout; ``export_hf`` turns a dtrain
@@ -26,7 +30,12 @@ from pathlib import Path
 import torch
 
 from dtrain.config import ConfigError
-from dtrain.hf_config import args_from_hf_config, hf_config_from_args
+from dtrain.hf_config import (
+    MIXTRAL,
+    args_from_hf_config,
+    hf_architecture_of,
+    hf_config_from_args,
+)
 from dtrain.models.llama import LlamaArgs, Transformer
 
 _LAYER_NAMES = {  # dtrain suffix -> HF suffix, inside layers.<i>.
@@ -43,6 +52,10 @@ _LAYER_NAMES = {  # dtrain suffix -> HF suffix, inside layers.<i>.
 }
 _TOP_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight",
               "norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+# Where a checkpoint keeps an MoE block: the module under model.layers.<i> holding the router
+# (``gate``) and the experts, and each expert's names of dtrain's w1, w2, w3.
+_MIXTRAL_EXPERTS = ("block_sparse_moe", {"w1": "w1", "w2": "w2", "w3": "w3"})
+_QWEN3_MOE_EXPERTS = ("mlp", {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"})
 
 
 def _rotary_heads(suffix: str, args: LlamaArgs) -> int:
@@ -93,9 +106,9 @@ def from_hf_state_dict(hf: dict[str, torch.Tensor], args: LlamaArgs) -> dict[str
 
 def _experts_from_hf(hf: dict[str, torch.Tensor], args: LlamaArgs,
                      i: int) -> dict[str, torch.Tensor]:
-    """Layer ``i``'s router and stacked experts from Mixtral's per-expert (or fused) tensors."""
-    ours, legacy, fused = (f"layers.{i}.feed_forward", f"model.layers.{i}.block_sparse_moe",
-                           f"model.layers.{i}.mlp")
+    """Layer ``i``'s router and stacked experts from Mixtral's or Qwen3-MoE's per-expert
+    tensors, or from transformers 5's fused ones."""
+    ours, fused = f"layers.{i}.feed_forward", f"model.layers.{i}.mlp"
     out = {}
     if f"{fused}.experts.gate_up_proj" in hf:  # transformers 5 in memory
         gate_up, hidden = hf[f"{fused}.experts.gate_up_proj"], args.expert_dim
@@ -104,12 +117,15 @@ def _experts_from_hf(hf: dict[str, torch.Tensor], args: LlamaArgs,
         out[f"{ours}.experts.w2"] = hf[f"{fused}.experts.down_proj"]
         out[f"{ours}.router.gate.weight"] = hf[f"{fused}.gate.weight"]
         return out
-    for w in ("w1", "w2", "w3"):
-        keys = [f"{legacy}.experts.{e}.{w}.weight" for e in range(args.n_experts)]
+    mixtral = f"model.layers.{i}.{_MIXTRAL_EXPERTS[0]}.gate.weight" in hf
+    block, names = _MIXTRAL_EXPERTS if mixtral else _QWEN3_MOE_EXPERTS
+    legacy = f"model.layers.{i}.{block}"
+    for w, theirs in names.items():
+        keys = [f"{legacy}.experts.{e}.{theirs}.weight" for e in range(args.n_experts)]
         missing = [k for k in keys if k not in hf]
         if missing:
             raise ConfigError(f"the HF checkpoint has no tensor {missing[0]}: it is not a "
-                              f"complete Mixtral with {args.n_experts} experts per layer")
+                              f"complete MoE model with {args.n_experts} experts per layer")
         out[f"{ours}.experts.{w}"] = torch.stack([hf[k] for k in keys])
     if f"{legacy}.gate.weight" not in hf:
         raise ConfigError(f"the HF checkpoint has no tensor {legacy}.gate.weight")
@@ -118,8 +134,12 @@ def _experts_from_hf(hf: dict[str, torch.Tensor], args: LlamaArgs,
 
 
 def to_hf_state_dict(ours: dict[str, torch.Tensor], args: LlamaArgs) -> dict[str, torch.Tensor]:
-    """dtrain tensor names and layouts -> HF's (Mixtral's experts one tensor each; no
-    ``lm_head.weight`` where the embeddings are tied)."""
+    """dtrain tensor names and layouts -> HF's (the experts one tensor each, named as the
+    architecture ``hf_architecture_of`` picks names them; no ``lm_head.weight`` where the
+    embeddings are tied)."""
+    block, names = _MIXTRAL_EXPERTS
+    if args.n_experts and hf_architecture_of(args) != MIXTRAL:
+        block, names = _QWEN3_MOE_EXPERTS
     out = {}
     for name, tensor in ours.items():
         if name in _TOP_NAMES:
@@ -127,14 +147,14 @@ def to_hf_state_dict(ours: dict[str, torch.Tensor], args: LlamaArgs) -> dict[str
                 out[_TOP_NAMES[name]] = tensor
             continue
         _, i, suffix = name.split(".", 2)
-        moe = f"model.layers.{i}.block_sparse_moe"
+        moe = f"model.layers.{i}.{block}"
         if suffix == "feed_forward.router.gate.weight":
             out[f"{moe}.gate.weight"] = tensor
             continue
         if suffix.startswith("feed_forward.experts."):
-            w = suffix.rsplit(".", 1)[1]
+            theirs = names[suffix.rsplit(".", 1)[1]]
             for e in range(tensor.shape[0]):
-                out[f"{moe}.experts.{e}.{w}.weight"] = tensor[e].contiguous()
+                out[f"{moe}.experts.{e}.{theirs}.weight"] = tensor[e].contiguous()
             continue
         heads = _rotary_heads(suffix, args)
         out[f"model.layers.{i}.{_LAYER_NAMES[suffix]}"] = (

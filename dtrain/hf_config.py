@@ -1,7 +1,8 @@
-"""Hugging Face ``config.json`` <-> ``LlamaArgs`` for the five decoder families dtrain's
+"""Hugging Face ``config.json`` <-> ``LlamaArgs`` for the six decoder families dtrain's
 ``Transformer`` computes exactly: LLaMA (any ``attention_bias``, explicit ``head_dim``), Mistral
-(no sliding window), Mixtral (softmax top-k router), Qwen2 (q, k, v biases) and Qwen3 (per-head
-q/k RMSNorm).
+(no sliding window), Mixtral (softmax top-k router), Qwen2 (q, k, v biases), Qwen3 (per-head
+q/k RMSNorm) and Qwen3-MoE (Qwen3's attention; softmax top-k experts, renormalised or not, in
+every block or in those ``decoder_sparse_step`` and ``mlp_only_layers`` leave sparse).
 
 Both layouts of the RoPE settings are read: transformers 4's ``rope_theta`` with a
 ``rope_scaling`` dict, and transformers 5's single ``rope_parameters`` dict holding
@@ -19,15 +20,15 @@ from dtrain.config import ConfigError
 from dtrain.models.llama import LlamaArgs, RopeScaling, rope_attention_factor
 
 LLAMA, MISTRAL, MIXTRAL = "LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM"
-QWEN2, QWEN3 = "Qwen2ForCausalLM", "Qwen3ForCausalLM"
+QWEN2, QWEN3, QWEN3_MOE = "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"
 ARCHITECTURES = {LLAMA: "llama", MISTRAL: "mistral", MIXTRAL: "mixtral", QWEN2: "qwen2",
-                 QWEN3: "qwen3"}  # architectures[0] -> model_type
+                 QWEN3: "qwen3", QWEN3_MOE: "qwen3_moe"}  # architectures[0] -> model_type
 ROPE_TYPES = ("default", "llama3", "yarn")
 
 
 def hf_architecture(config: dict) -> str:
     """The config's architecture (``architectures[0]``, else the one of its ``model_type``);
-    raises ConfigError for any but the five supported."""
+    raises ConfigError for any but the six supported."""
     names = config.get("architectures") or []
     by_type = {model_type: name for name, model_type in ARCHITECTURES.items()}
     name = names[0] if names else by_type.get(config.get("model_type"))
@@ -39,7 +40,7 @@ def hf_architecture(config: dict) -> str:
 
 
 def args_from_hf_config(config: dict) -> LlamaArgs:
-    """``LlamaArgs`` for an HF ``config.json`` (a dict) of one of the five architectures;
+    """``LlamaArgs`` for an HF ``config.json`` (a dict) of one of the six architectures;
     raises ConfigError, one line, for a key dtrain's model cannot honour."""
     arch = hf_architecture(config)
     missing = [key for key in ("hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -48,9 +49,10 @@ def args_from_hf_config(config: dict) -> LlamaArgs:
         raise ConfigError(f"config.json of {arch} lacks {', '.join(missing)}")
     _refuse_unsupported(config, arch)
     dim, heads = config["hidden_size"], config["num_attention_heads"]
-    # Qwen3's config class defaults head_dim to 128, the others to hidden_size / heads.
+    # Qwen3's config class defaults head_dim to 128, the others (Qwen3-MoE's too) to
+    # hidden_size / heads.
     head_dim = config.get("head_dim") or (128 if arch == QWEN3 else dim // heads)
-    bias = bool(config.get("attention_bias")) and arch in (LLAMA, QWEN3)
+    bias = bool(config.get("attention_bias")) and arch in (LLAMA, QWEN3, QWEN3_MOE)
     max_seq_len = config.get("max_position_embeddings", 4096)
     theta, scaling = _rope_from_hf(config, max_seq_len)
     return LlamaArgs(
@@ -61,7 +63,7 @@ def args_from_hf_config(config: dict) -> LlamaArgs:
         norm_eps=config.get("rms_norm_eps", 1e-5 if arch == MIXTRAL else 1e-6),
         rope_theta=theta, rope_scaling=scaling, max_seq_len=max_seq_len,
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-        qkv_bias=bias or arch == QWEN2, out_bias=bias, qk_norm=arch == QWEN3,
+        qkv_bias=bias or arch == QWEN2, out_bias=bias, qk_norm=arch in (QWEN3, QWEN3_MOE),
         **_moe_from_hf(config, arch))
 
 
@@ -87,7 +89,8 @@ def _refuse_unsupported(config: dict, arch: str) -> None:
 def _sliding_window(config: dict, arch: str) -> int | None:
     """The window of the layers that slide, or None where every layer attends to all earlier
     tokens, as transformers decides it."""
-    window = config.get("sliding_window", 4096 if arch in (MISTRAL, QWEN2, QWEN3) else None)
+    window = config.get("sliding_window",
+                        4096 if arch in (MISTRAL, QWEN2, QWEN3, QWEN3_MOE) else None)
     if not window or not config.get("use_sliding_window", arch in (MISTRAL, MIXTRAL)):
         return None
     if arch in (QWEN2, QWEN3):  # Qwen slides only from layer max_window_layers on
@@ -140,48 +143,90 @@ def _rope_from_hf(config: dict, max_seq_len: int) -> tuple[float, RopeScaling | 
 
 def _moe_from_hf(config: dict, arch: str) -> dict:
     """The MoE fields of ``LlamaArgs``: Mixtral's experts and softmax top-k router (every block
-    MoE); none for the dense architectures."""
-    if arch != MIXTRAL:
+    MoE, top-k renormalised); Qwen3-MoE's (its sparse blocks, ``norm_topk_prob``); none for the
+    dense architectures, and for a Qwen3-MoE config that leaves no block sparse."""
+    if arch == MIXTRAL:
+        return {"n_experts": config.get("num_local_experts", 8),
+                "moe_top_k": config.get("num_experts_per_tok", 2),
+                "moe_hidden_size": config["intermediate_size"], "moe_layers": None,
+                "moe_router": "softmax", "moe_norm_topk": True, "moe_shared_hidden": 0,
+                "moe_aux_loss_coeff": config.get("router_aux_loss_coef", 0.0)}
+    if arch != QWEN3_MOE:
         return {}
-    return {"n_experts": config.get("num_local_experts", 8),
-            "moe_top_k": config.get("num_experts_per_tok", 2),
-            "moe_hidden_size": config["intermediate_size"], "moe_layers": None,
-            "moe_router": "softmax", "moe_norm_topk": True, "moe_shared_hidden": 0,
-            "moe_aux_loss_coeff": config.get("router_aux_loss_coef", 0.0)}
+    # transformers writes the count as num_local_experts, the published configs as num_experts
+    n_experts = config.get("num_experts", config.get("num_local_experts", 128))
+    sparse = _qwen3_moe_sparse_blocks(config) if n_experts else ()
+    if not sparse:
+        return {}
+    return {"n_experts": n_experts, "moe_top_k": config.get("num_experts_per_tok", 8),
+            "moe_hidden_size": config.get("moe_intermediate_size", 768),
+            "moe_layers": None if len(sparse) == config["num_hidden_layers"] else sparse,
+            "moe_router": "softmax", "moe_norm_topk": bool(config.get("norm_topk_prob", False)),
+            "moe_shared_hidden": 0,
+            "moe_aux_loss_coeff": config.get("router_aux_loss_coef", 0.001)}
+
+
+def _qwen3_moe_sparse_blocks(config: dict) -> tuple[int, ...]:
+    """The blocks a Qwen3-MoE config makes MoE, as transformers decides it: block i is, unless
+    it is in ``mlp_only_layers``, when (i + 1) is a multiple of ``decoder_sparse_step``."""
+    step = config.get("decoder_sparse_step", 1)
+    if not isinstance(step, int) or step < 1:
+        raise ConfigError(f"config.json has decoder_sparse_step {step!r}: give a whole number "
+                          ">= 1 (1: every block not in mlp_only_layers is MoE)")
+    dense = set(config.get("mlp_only_layers") or ())
+    return tuple(i for i in range(config["num_hidden_layers"])
+                 if i not in dense and (i + 1) % step == 0)
+
+
+def _refuse_export(what: str) -> ConfigError:
+    """The one-line error of an export whose shape ``what`` no supported architecture has."""
+    return ConfigError(f"{what}: no Hugging Face architecture among {', '.join(ARCHITECTURES)} "
+                       "has this shape, so it is not exported")
 
 
 def hf_architecture_of(args: LlamaArgs) -> str:
-    """The HF architecture that computes the shape ``args``: Qwen3 with qk-norm, Qwen2 with
-    biases on q, k, v only, Mixtral with experts, else LLaMA (Mistral where the hidden size is
-    no multiple of the heads, which LLaMA's config refuses); raises ConfigError for a shape
-    none of them has."""
-    def refuse(what: str) -> ConfigError:
-        return ConfigError(f"{what}: no Hugging Face architecture among {', '.join(ARCHITECTURES)} "
-                           "has this shape, so it is not exported")
-
+    """The HF architecture that computes the shape ``args``: with experts Qwen3-MoE (qk-norm)
+    or Mixtral; else Qwen3 with qk-norm, Qwen2 with biases on q, k, v only, else LLaMA
+    (Mistral where the hidden size is no multiple of the heads, which LLaMA's config refuses);
+    raises ConfigError for a shape none of them has."""
     if args.n_experts:
-        if args.qkv_bias or args.out_bias or args.qk_norm:
-            raise refuse("an MoE model with attention biases or qk_norm")
-        if args.moe_layers is not None and set(args.moe_layers) != set(range(args.n_layers)):
-            raise refuse(f"MoE only in blocks {list(args.moe_layers)}")
-        if args.moe_router != "softmax" or not args.moe_norm_topk or args.moe_shared_hidden:
-            raise refuse("an MoE router other than Mixtral's (softmax, renormalised top-k, no "
-                         "shared expert)")
-        return MIXTRAL
+        return _moe_architecture(args)
     if args.out_bias and not args.qkv_bias:
-        raise refuse("a bias on wo without biases on wq, wk, wv")
+        raise _refuse_export("a bias on wo without biases on wq, wk, wv")
     if args.qk_norm:
         if args.qkv_bias != args.out_bias:
-            raise refuse("qk_norm with biases on q, k, v but not on wo")
+            raise _refuse_export("qk_norm with biases on q, k, v but not on wo")
         return QWEN3
     if args.qkv_bias and not args.out_bias:
         return QWEN2
     if args.dim % args.n_heads:
         if args.qkv_bias:
-            raise refuse(f"hidden size {args.dim} not divisible by {args.n_heads} heads, with "
-                         "attention biases")
+            raise _refuse_export(f"hidden size {args.dim} not divisible by {args.n_heads} "
+                                 "heads, with attention biases")
         return MISTRAL
     return LLAMA
+
+
+def _moe_architecture(args: LlamaArgs) -> str:
+    """Qwen3-MoE for an MoE shape with qk-norm (any blocks MoE, top-k renormalised or not),
+    Mixtral for one without (every block MoE, renormalised, no attention biases)."""
+    if args.moe_router != "softmax" or args.moe_shared_hidden:
+        raise _refuse_export("an MoE router other than a softmax top-k without shared expert "
+                             "(Mixtral's and Qwen3-MoE's)")
+    if args.qk_norm:
+        if args.qkv_bias != args.out_bias:
+            raise _refuse_export("qk_norm with biases on q, k, v but not on wo")
+        return QWEN3_MOE
+    if args.qkv_bias or args.out_bias:
+        raise _refuse_export("an MoE model with attention biases but no qk_norm")
+    dense = [i for i in range(args.n_layers) if not args.is_moe_layer(i)]
+    if dense:
+        raise _refuse_export(f"dense blocks {dense} in an MoE model without qk_norm (Mixtral's "
+                             "blocks are all MoE; Qwen3-MoE has qk_norm)")
+    if not args.moe_norm_topk:
+        raise _refuse_export("top-k router weights not renormalised without qk_norm (Mixtral "
+                             "renormalises; Qwen3-MoE has qk_norm)")
+    return MIXTRAL
 
 
 def hf_config_from_args(args: LlamaArgs) -> dict:
@@ -198,23 +243,35 @@ def hf_config_from_args(args: LlamaArgs) -> dict:
         "tie_word_embeddings": args.tie_embeddings, "hidden_act": "silu",
         "torch_dtype": "float32",
     }
-    if arch in (LLAMA, QWEN3):
+    if arch in (LLAMA, QWEN3, QWEN3_MOE):
         config["attention_bias"] = args.qkv_bias
     if arch == LLAMA:
         config["mlp_bias"] = False
-    if arch in (MISTRAL, MIXTRAL, QWEN2, QWEN3):
+    if arch != LLAMA:
         config["sliding_window"] = None
+    if arch in (QWEN2, QWEN3, QWEN3_MOE):
+        config["use_sliding_window"] = False
     if arch in (QWEN2, QWEN3):
-        config.update({"use_sliding_window": False, "max_window_layers": args.n_layers})
-    if arch == MIXTRAL:
-        config.update({"intermediate_size": args.expert_dim,
-                       "num_local_experts": args.n_experts,
-                       "num_experts_per_tok": args.moe_top_k,
-                       "router_aux_loss_coef": args.moe_aux_loss_coeff,
-                       "router_jitter_noise": 0.0})
+        config["max_window_layers"] = args.n_layers
+    config.update(_moe_to_hf(args, arch))
     if args.rope_scaling is not None:
         config["rope_scaling"] = _rope_to_hf(args.rope_scaling)
     return config
+
+
+def _moe_to_hf(args: LlamaArgs, arch: str) -> dict:
+    """The MoE keys of the config.json of architecture ``arch`` (none for dense ones)."""
+    if arch == MIXTRAL:
+        return {"intermediate_size": args.expert_dim, "num_local_experts": args.n_experts,
+                "num_experts_per_tok": args.moe_top_k,
+                "router_aux_loss_coef": args.moe_aux_loss_coeff, "router_jitter_noise": 0.0}
+    if arch != QWEN3_MOE:
+        return {}
+    # intermediate_size stays the dense blocks' width, and mlp_only_layers lists those blocks
+    return {"num_experts": args.n_experts, "num_experts_per_tok": args.moe_top_k,
+            "moe_intermediate_size": args.expert_dim, "norm_topk_prob": args.moe_norm_topk,
+            "router_aux_loss_coef": args.moe_aux_loss_coeff, "decoder_sparse_step": 1,
+            "mlp_only_layers": [i for i in range(args.n_layers) if not args.is_moe_layer(i)]}
 
 
 def _rope_to_hf(s: RopeScaling) -> dict:

@@ -1,10 +1,12 @@
-"""Hugging Face models of the five supported architectures, in shapes no dtrain preset has (odd
+"""Hugging Face models of the six supported architectures, in shapes no dtrain preset has (odd
 head counts, MQA and GQA, head widths other than hidden / heads, biases, qk-norm, tied and untied
-embeddings, Llama 3.1 and YaRN RoPE scaling, three experts top-1): an import computes
+embeddings, Llama 3.1 and YaRN RoPE scaling, three experts top-1, four experts top-2 with and
+without renormalised weights, a dense block before the MoE ones): an import computes
 transformers' logits, and its export loads in transformers with the same logits. Configs that
 dtrain cannot compute are refused in one line naming the problem."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -14,6 +16,9 @@ from dtrain import Trainer, load_config
 from dtrain.config import ConfigError
 from dtrain.convert_hf import write_recipe
 from dtrain.hf_checkpoint import args_from_hf_config, export_hf, import_hf, load_model
+from dtrain.hf_config import hf_architecture_of, hf_config_from_args
+from dtrain.models import model_args
+from dtrain.models.moe import Router
 from dtrain.run import feature_lines
 
 TINY_RUN = {"training.steps": 5, "training.seq_len": 32, "training.global_batch_size": 2,
@@ -55,6 +60,16 @@ SHAPES = {
     "qwen3-gqa-biases-untied": (transformers.Qwen3Config, dict(
         hidden_size=48, num_attention_heads=6, num_key_value_heads=3, head_dim=10,
         intermediate_size=64, attention_bias=True, rope_theta=1e6), "Qwen3ForCausalLM"),
+    # No head_dim: Qwen3-MoE's default is hidden / heads (12), not Qwen3's 128.
+    "qwen3-moe-4-experts-top-2-renormalised": (transformers.Qwen3MoeConfig, dict(
+        hidden_size=48, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+        moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+        rope_theta=1e6), "Qwen3MoeForCausalLM"),
+    "qwen3-moe-dense-first-block-unnormalised-biases": (transformers.Qwen3MoeConfig, dict(
+        hidden_size=40, num_attention_heads=5, num_key_value_heads=1, head_dim=8,
+        intermediate_size=72, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+        norm_topk_prob=False, mlp_only_layers=[0], attention_bias=True, rope_theta=1e6),
+     "Qwen3MoeForCausalLM"),
 }
 
 
@@ -118,6 +133,61 @@ def test_the_shape_fields_follow_the_architecture():
                                    "num_experts_per_tok": 1, "router_aux_loss_coef": 0.02})
     assert (mixtral.n_experts, mixtral.moe_top_k, mixtral.moe_router, mixtral.moe_norm_topk,
             mixtral.moe_aux_loss_coeff, mixtral.moe_layers) == (3, 1, "softmax", True, 0.02, None)
+    qwen3_moe = args_from_hf_config({**base, "model_type": "qwen3_moe", "num_experts": 8,
+                                     "num_experts_per_tok": 2, "moe_intermediate_size": 16})
+    assert (qwen3_moe.qk_norm, qwen3_moe.head_dim, qwen3_moe.ffn_dim, qwen3_moe.expert_dim,
+            qwen3_moe.moe_norm_topk, qwen3_moe.moe_aux_loss_coeff) == (True, 8, 64, 16, False,
+                                                                       0.001)
+
+
+@pytest.mark.parametrize("norm_topk", [True, False])
+def test_the_router_weighs_the_experts_as_qwen3_moes(norm_topk):
+    # Softmax over all experts, top-k, renormalised only with norm_topk_prob: the same
+    # operations in fp32 on both sides, so the weights agree to rounding.
+    config = transformers.Qwen3MoeConfig(hidden_size=16, num_experts=6, num_experts_per_tok=3,
+                                         norm_topk_prob=norm_topk)
+    theirs = transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeTopKRouter(config)
+    ours = Router(16, 6, 3, "softmax", norm_topk)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        theirs.weight.copy_(torch.randn(6, 16))
+        ours.gate.weight.copy_(theirs.weight)
+        x = torch.randn(32, 16)
+        _, their_weights, their_experts = theirs(x)
+        _, _, our_experts, our_weights = ours(x)
+    assert torch.equal(our_experts, their_experts)
+    assert torch.allclose(our_weights, their_weights, rtol=0, atol=1e-6)
+    assert torch.allclose(our_weights.sum(-1), torch.ones(32)) == norm_topk
+
+
+@pytest.mark.parametrize("step, mlp_only", [(1, []), (2, []), (3, [2]), (1, [0, 5]), (7, [])])
+def test_the_moe_blocks_are_those_transformers_makes_sparse(step, mlp_only):
+    config = transformers.Qwen3MoeConfig(
+        hidden_size=16, num_hidden_layers=6, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=8, intermediate_size=32, moe_intermediate_size=8, num_experts=4,
+        num_experts_per_tok=2, vocab_size=64, decoder_sparse_step=step, mlp_only_layers=mlp_only)
+    with torch.device("meta"):
+        layers = transformers.Qwen3MoeForCausalLM(config).model.layers
+    sparse = [i for i, layer in enumerate(layers)
+              if isinstance(layer.mlp, transformers.models.qwen3_moe.modeling_qwen3_moe
+                            .Qwen3MoeSparseMoeBlock)]
+    args = args_from_hf_config(config.to_dict())
+    assert [i for i in range(6) if args.is_moe_layer(i)] == sparse
+    if sparse:  # the export lists the dense blocks, and reads back as the same blocks
+        assert args_from_hf_config(hf_config_from_args(args)) == args
+
+
+def test_an_moe_shape_exports_as_qwen3_moe_with_qk_norm_else_mixtral():
+    mixtral = model_args("mixtral_debug")
+    assert hf_architecture_of(mixtral) == "MixtralForCausalLM"
+    assert hf_architecture_of(model_args("qwen3_30b_a3b")) == "Qwen3MoeForCausalLM"
+    some_blocks = replace(mixtral, qk_norm=True, moe_layers=(1, 3), moe_norm_topk=False)
+    assert hf_architecture_of(some_blocks) == "Qwen3MoeForCausalLM"
+    assert hf_config_from_args(some_blocks)["mlp_only_layers"] == [0, 2]
+    for refused, message in ((replace(mixtral, moe_layers=(1, 3)), r"dense blocks \[0, 2\]"),
+                             (replace(mixtral, moe_norm_topk=False), "not renormalised")):
+        with pytest.raises(ConfigError, match=message):
+            hf_architecture_of(refused)
 
 
 def test_transformers_4_and_5_rope_layouts_give_the_same_shape():
@@ -157,7 +227,10 @@ REFUSED = {
     "gelu": ({**DENSE, "model_type": "llama", "hidden_act": "gelu"}, "hidden_act 'gelu'"),
     "other-architecture": ({**DENSE, "architectures": ["GemmaForCausalLM"]},
                            "GemmaForCausalLM: only LlamaForCausalLM, MistralForCausalLM, "
-                           "MixtralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"),
+                           "MixtralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
+                           "Qwen3MoeForCausalLM"),
+    "qwen3-moe-sparse-step-0": ({**DENSE, "model_type": "qwen3_moe", "decoder_sparse_step": 0},
+                                "decoder_sparse_step 0"),
 }
 
 

@@ -179,7 +179,8 @@ def test_tensorboard_shows_the_job_grouped_tags_and_the_config(output_dir):
         (text,) = get(port, "/data/plugin/text/text", run="tiny", tag="config/text_summary")
         assert text["step"] == 0
         assert "<pre><code>[job]\nname = &quot;tiny&quot;" in text["text"]  # rendered Markdown
-        assert "[model]\nname = &quot;mixtral_debug&quot;\nhf_config = &quot;&quot;\nn_layers = 1\n" in text["text"]
+        assert ("[model]\nname = &quot;mixtral_debug&quot;\nhf_config = &quot;&quot;\n"
+                "n_layers = 1\n") in text["text"]
     finally:
         server.terminate()
         try:

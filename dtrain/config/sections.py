@@ -56,8 +56,9 @@ class ModelConfig:
     defaults for the shape keys below, each of which replaces its value where set."""
     hf_config: str = ""
     """A Hugging Face model folder or its config.json (LlamaForCausalLM, MistralForCausalLM,
-    MixtralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM): the shape's defaults come from it
-    instead of the preset ``name``; the shape keys below still replace them."""
+    MixtralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM): the shape's
+    defaults come from it instead of the preset ``name``; the shape keys below still replace
+    them."""
     n_layers: int = ranged(0, lambda v: v >= 0, "an integer >= 0")
     """Number of transformer blocks (Megatron's --num-layers; 0 keeps the preset's)."""
     vocab_size: int = ranged(0, lambda v: v >= 0, "an integer >= 0")

@@ -50,4 +50,19 @@ PRESETS: dict[str, LlamaArgs] = {
                                vocab_size=32768, rope_theta=1000000.0, max_seq_len=65536,
                                n_experts=8, moe_top_k=2, moe_hidden_size=16384,
                                moe_aux_loss_coeff=0.001),
+    # Qwen3-MoE (Qwen/Qwen3-30B-A3B, Qwen/Qwen3-235B-A22B config.json): Qwen3's attention
+    # (q/k RMSNorm, head_dim 128, 4 KV heads), 128 experts, top-8 softmax renormalised, every
+    # block MoE (intermediate_size, the dense width, is unused), untied, native context 40960.
+    # 30.5B parameters, 3.3B active per token.
+    "qwen3_30b_a3b": LlamaArgs(dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_size=128,
+                               vocab_size=151936, ffn_hidden_size=6144, norm_eps=1e-6,
+                               rope_theta=1000000.0, max_seq_len=40960, qk_norm=True,
+                               n_experts=128, moe_top_k=8, moe_hidden_size=768,
+                               moe_norm_topk=True, moe_aux_loss_coeff=0.001),
+    # 235B parameters, 22B active per token.
+    "qwen3_235b_a22b": LlamaArgs(dim=4096, n_layers=94, n_heads=64, n_kv_heads=4, head_size=128,
+                                 vocab_size=151936, ffn_hidden_size=12288, norm_eps=1e-6,
+                                 rope_theta=1000000.0, max_seq_len=40960, qk_norm=True,
+                                 n_experts=128, moe_top_k=8, moe_hidden_size=1536,
+                                 moe_norm_topk=True, moe_aux_loss_coeff=0.001),
 }
