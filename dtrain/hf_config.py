@@ -54,7 +54,7 @@ def args_from_hf_config(config: dict) -> LlamaArgs:
     head_dim = config.get("head_dim") or (128 if arch == QWEN3 else dim // heads)
     bias = bool(config.get("attention_bias")) and arch in (LLAMA, QWEN3, QWEN3_MOE)
     max_seq_len = config.get("max_position_embeddings", 4096)
-    theta, scaling = _rope_from_hf(config, max_seq_len)
+    theta, scaling = rope_from_hf(config, max_seq_len)
     return LlamaArgs(
         dim=dim, n_layers=config["num_hidden_layers"], n_heads=heads,
         n_kv_heads=config.get("num_key_value_heads") or heads,
@@ -102,7 +102,7 @@ def _sliding_window(config: dict, arch: str) -> int | None:
     return window
 
 
-def _rope_from_hf(config: dict, max_seq_len: int) -> tuple[float, RopeScaling | None]:
+def rope_from_hf(config: dict, max_seq_len: int) -> tuple[float, RopeScaling | None]:
     """RoPE's theta and scaling from transformers 4's keys or transformers 5's
     ``rope_parameters``."""
     params = dict(config.get("rope_scaling") or config.get("rope_parameters") or {})
@@ -189,6 +189,8 @@ def hf_architecture_of(args: LlamaArgs) -> str:
     or Mixtral; else Qwen3 with qk-norm, Qwen2 with biases on q, k, v only, else LLaMA
     (Mistral where the hidden size is no multiple of the heads, which LLaMA's config refuses);
     raises ConfigError for a shape none of them has."""
+    if args.attention == "mla":
+        raise _refuse_export("multi-head latent attention (DeepSeek-V3's)")
     if args.n_experts:
         return _moe_architecture(args)
     if args.out_bias and not args.qkv_bias:
@@ -210,6 +212,8 @@ def hf_architecture_of(args: LlamaArgs) -> str:
 def _moe_architecture(args: LlamaArgs) -> str:
     """Qwen3-MoE for an MoE shape with qk-norm (any blocks MoE, top-k renormalised or not),
     Mixtral for one without (every block MoE, renormalised, no attention biases)."""
+    if args.moe_n_group > 1 or args.moe_routed_scale != 1.0:
+        raise _refuse_export("group-limited routing or a routed scaling factor (DeepSeek-V3's)")
     if args.moe_router != "softmax" or args.moe_shared_hidden:
         raise _refuse_export("an MoE router other than a softmax top-k without shared expert "
                              "(Mixtral's and Qwen3-MoE's)")

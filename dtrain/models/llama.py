@@ -1,10 +1,12 @@
-"""Llama-family decoder (LLaMA 2/3, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE), single-device
-code: parallelism is applied from outside (dtrain.parallel).
+"""Llama-family decoder (LLaMA 2/3, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE, DeepSeek-V3),
+single-device code: parallelism is applied from outside (dtrain.parallel).
 
-The shapes differ only in ``LlamaArgs`` fields: the head width (``head_size``), biases on the
-attention projections (``qkv_bias``, ``out_bias``), per-head RMSNorm of q and k (``qk_norm``),
-RoPE scaling (Llama 3.1's or YaRN) and which blocks' feed-forward is a mixture of experts
-(``n_experts``, ``moe_layers``).
+The shapes differ only in ``LlamaArgs`` fields (``dtrain.models.args``): the head width
+(``head_size``), biases on the attention projections (``qkv_bias``, ``out_bias``), per-head RMSNorm
+of q and k (``qk_norm``), RoPE scaling (Llama 3.1's or YaRN, ``dtrain.models.rope``), DeepSeek's
+multi-head latent attention in place of grouped-query heads (``attention="mla"``,
+``dtrain.models.mla``) and which blocks' feed-forward is a mixture of experts (``n_experts``,
+``moe_layers``).
 
 Blocks live in a ``ModuleDict`` keyed "0".."n-1" so names stay stable when a pipeline stage drops
 some; ``tok_embeddings``, ``norm`` and ``output`` may be set to ``None`` by a stage and ``forward``
@@ -15,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -23,184 +24,24 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from dtrain.kernels.rope import kernel_applies as rope_kernel_applies
-from dtrain.kernels.rope import rope, rotate_pairs
 from dtrain.models import init
+from dtrain.models.args import LlamaArgs
 from dtrain.models.feed_forward import FeedForward
+from dtrain.models.mla import LatentAttention
 from dtrain.models.moe import MoE, compute_dtype
+from dtrain.models.norm import RMSNorm
+from dtrain.models.rope import (
+    RopeScaling,
+    apply_rope,
+    rope_attention_factor,
+    rope_cache,
+    rope_frequencies,
+)
 
-
-@dataclass
-class LlamaArgs:
-    dim: int = 4096
-    n_layers: int = 32
-    n_heads: int = 32
-    n_kv_heads: int | None = None
-    vocab_size: int = 128256
-    multiple_of: int = 256
-    ffn_dim_multiplier: float | None = None
-    norm_eps: float = 1e-5
-    rope_theta: float = 500000.0
-    rope_scaling: RopeScaling | None = None
-    max_seq_len: int = 8192
-    tie_embeddings: bool = False
-    attention_backend: str = "auto"
-    rope_kernel: bool = True  # RoPE through dtrain.kernels.rope (a Triton kernel on CUDA)
-    ffn_hidden_size: int | None = None  # explicit FFN width (HF checkpoints); else Llama's rule
-    head_size: int | None = None  # each attention head's width; None: dim // n_heads
-    qkv_bias: bool = False  # biases on wq, wk, wv (Qwen2)
-    out_bias: bool = False  # bias on wo
-    qk_norm: bool = False  # RMSNorm over head_dim of each head's q and k, before RoPE (Qwen3)
-    # Mixture of experts (dtrain.models.moe): n_experts > 0 replaces the feed-forward of the
-    # blocks in moe_layers (None: every block) by an MoE; the others stay dense.
-    n_experts: int = 0
-    moe_layers: tuple[int, ...] | None = None
-    moe_top_k: int = 2
-    moe_hidden_size: int | None = None  # each expert's width; else ffn_dim
-    moe_router: str = "softmax"  # softmax (Mixtral) or sigmoid with expert bias (DeepSeek)
-    moe_norm_topk: bool = True  # renormalise the top-k softmax weights to sum to one
-    moe_shared_hidden: int = 0  # width of a shared expert every token takes (0: none)
-    moe_capacity_factor: float = 0.0  # 0: dropless
-    moe_aux_loss_coeff: float = 0.0
-    moe_z_loss_coeff: float = 0.0
-    moe_gemm: str = "auto"  # auto (grouped GEMM where fast), grouped, loop
-    moe_aux_grad_scale: float = 1.0  # aux-loss gradient per forward: 1 / micro-batches per step
-
-    @property
-    def head_dim(self) -> int:
-        return self.head_size or self.dim // self.n_heads
-
-    def is_moe_layer(self, layer_id: int) -> bool:
-        """Whether block ``layer_id``'s feed-forward is the MoE (else ``FeedForward``)."""
-        return bool(self.n_experts) and (self.moe_layers is None or layer_id in self.moe_layers)
-
-    @property
-    def kv_heads(self) -> int:
-        return self.n_kv_heads or self.n_heads
-
-    @property
-    def ffn_dim(self) -> int:
-        """Llama's rule: 2/3 of 4*dim, scaled by ffn_dim_multiplier, rounded up to multiple_of
-        (unless ffn_hidden_size is given)."""
-        if self.ffn_hidden_size:
-            return self.ffn_hidden_size
-        hidden = int(2 * 4 * self.dim / 3)
-        if self.ffn_dim_multiplier is not None:
-            hidden = int(self.ffn_dim_multiplier * hidden)
-        return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
-
-    @property
-    def expert_dim(self) -> int:
-        return self.moe_hidden_size or self.ffn_dim
-
-
-@dataclass
-class RopeScaling:
-    """Frequency scaling of RoPE for a context ``factor`` times the ``original_max_seq_len`` the
-    model was trained with, as Hugging Face transformers computes it (``modeling_rope_utils``).
-
-    ``kind="llama3"`` (Llama 3.1): wavelengths above original / ``low_freq_factor`` are
-    stretched by ``factor``, those below original / ``high_freq_factor`` kept, those between
-    blended. ``kind="yarn"``: frequencies that turn fewer than ``beta_slow`` times over the
-    original context are stretched, more than ``beta_fast`` times kept, with a linear ramp
-    between (its ends rounded outwards with ``truncate``), and cos and sin scaled by the
-    attention factor ``rope_attention_factor`` (from ``mscale`` and ``mscale_all_dim``)."""
-    factor: float = 8.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_seq_len: int = 8192
-    kind: str = "llama3"
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    mscale: float = 1.0
-    mscale_all_dim: float = 0.0
-    truncate: bool = True
-
-    def __post_init__(self):
-        if self.kind not in ("llama3", "yarn"):
-            raise ValueError(f"RoPE scaling kind {self.kind!r}: use llama3 or yarn")
-
-
-def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
-    """Rotation frequency of each pair of channels, shape (head_dim // 2,), float64."""
-    freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    if scaling is None:
-        return freqs
-    if scaling.kind == "yarn":
-        return _yarn_frequencies(freqs, head_dim, theta, scaling)
-    wavelen = 2 * math.pi / freqs
-    low_wavelen = scaling.original_max_seq_len / scaling.low_freq_factor
-    high_wavelen = scaling.original_max_seq_len / scaling.high_freq_factor
-    smooth = ((scaling.original_max_seq_len / wavelen - scaling.low_freq_factor)
-              / (scaling.high_freq_factor - scaling.low_freq_factor))
-    blended = (1 - smooth) * freqs / scaling.factor + smooth * freqs
-    return torch.where(wavelen > low_wavelen, freqs / scaling.factor,
-                       torch.where(wavelen < high_wavelen, freqs, blended))
-
-
-def _yarn_frequencies(freqs: torch.Tensor, head_dim: int, theta: float,
-                      scaling: RopeScaling) -> torch.Tensor:
-    """YaRN's blend of ``freqs`` (extrapolated) and ``freqs / factor`` (interpolated): pair i
-    is interpolated by ramp(i), 0 up to the pair that turns ``beta_fast`` times over the
-    original context, 1 from the one that turns ``beta_slow`` times."""
-    def pair_turning(rotations: float) -> float:  # fractional pair index with that many turns
-        return (head_dim * math.log(scaling.original_max_seq_len / (rotations * 2 * math.pi))
-                / (2 * math.log(theta)))
-
-    low, high = pair_turning(scaling.beta_fast), pair_turning(scaling.beta_slow)
-    if scaling.truncate:
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, head_dim - 1)
-    if low == high:
-        high += 0.001  # as transformers: no zero-width ramp
-    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
-    return freqs / scaling.factor * ramp + freqs * (1 - ramp)
-
-
-def rope_attention_factor(scaling: RopeScaling | None) -> float:
-    """The factor cos and sin are multiplied by: YaRN's ``0.1 ln(factor) + 1``, or with
-    ``mscale`` and ``mscale_all_dim`` both set the ratio of that formula's value with each as
-    its coefficient (DeepSeek); 1 without scaling or with llama3's."""
-    if scaling is None or scaling.kind != "yarn":
-        return 1.0
-
-    def mscale(coefficient: float = 1.0) -> float:
-        return 1.0 if scaling.factor <= 1 else 0.1 * coefficient * math.log(scaling.factor) + 1.0
-
-    if scaling.mscale and scaling.mscale_all_dim:
-        return mscale(scaling.mscale) / mscale(scaling.mscale_all_dim)
-    return mscale()
-
-
-def rope_cache(seq_len: int, head_dim: int, theta: float,
-               scaling: RopeScaling | None) -> torch.Tensor:
-    """attention_factor * exp(i * position * frequency) per position and channel pair, shape
-    (seq_len, head_dim // 2), complex64: rotating q and k by it also scales both by YaRN's
-    attention factor (1 otherwise)."""
-    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64),
-                         rope_frequencies(head_dim, theta, scaling))
-    magnitude = torch.full_like(angles, rope_attention_factor(scaling))
-    return torch.polar(magnitude, angles).to(torch.complex64)
-
-
-def apply_rope(x: torch.Tensor, cache: torch.Tensor, kernel: bool = False) -> torch.Tensor:
-    """Rotates channel pairs (2i, 2i+1) of x (batch, seq, heads, head_dim) by the cached angles
-    (Meta's interleaved layout), in fp32 for 16-bit x.
-
-    ``kernel``: the ``dtrain::rope`` custom op, a Triton kernel on CUDA (``dtrain.kernels``)
-    that reads and writes whole rows, where Inductor's code for the pairs loads every other
-    channel. Otherwise, eager: one complex multiply (three kernels); under ``torch.compile``:
-    the same products in real arithmetic, which Inductor fuses into one kernel with the casts
-    around them (it has no code generation for complex tensors)."""
-    cache = cache[: x.shape[1]]
-    if kernel and rope_kernel_applies(x):
-        return rope(x, torch.view_as_real(cache))
-    cache = cache[:, None, :]
-    real = x.to(torch.promote_types(x.dtype, torch.float32))  # bf16 rotates in fp32
-    if torch.compiler.is_compiling():
-        return rotate_pairs(real, torch.view_as_real(cache)).type_as(x)
-    pairs = torch.view_as_complex(real.unflatten(-1, (-1, 2)))
-    return torch.view_as_real(pairs * cache.to(pairs.dtype)).flatten(-2).type_as(x)
+# The model's public names, those of the RoPE, norm and arguments modules it is built from too.
+__all__ = ["Attention", "LlamaArgs", "RMSNorm", "RopeScaling", "Transformer", "TransformerBlock",
+           "apply_rope", "canonical_name", "causal_attention", "expand_kv", "rope_attention_factor",
+           "rope_cache", "rope_frequencies", "takes_grouped_kv"]
 
 
 def canonical_name(name: str) -> str:
@@ -209,16 +50,6 @@ def canonical_name(name: str) -> str:
     for wrapper in ("_orig_mod.", "_checkpoint_wrapped_module."):
         name = name.replace(wrapper, "")
     return name
-
-
-_BACKENDS = {
-    "auto": [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
-             SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],
-    "cudnn": [SDPBackend.CUDNN_ATTENTION],
-    "flash": [SDPBackend.FLASH_ATTENTION],
-    "efficient": [SDPBackend.EFFICIENT_ATTENTION],
-    "math": [SDPBackend.MATH],
-}
 
 
 def expand_kv(k: torch.Tensor, v: torch.Tensor,
@@ -267,17 +98,6 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out.transpose(1, 2)
 
 
-class RMSNorm(nn.RMSNorm):
-    """``nn.RMSNorm`` computed with its weight in the input's dtype: under autocast on fp32
-    weights (one GPU, no FSDP) the activations are bf16, and a weight of another dtype would
-    send ``rms_norm`` to its slower unfused kernel. FSDP's mixed precision computes the same (its
-    weights arrive in bf16)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight.to(x.dtype) if self.weight is not None else None
-        return F.rms_norm(x, self.normalized_shape, weight, self.eps)
-
-
 class Attention(nn.Module):
     """Causal self-attention with RoPE and grouped-query heads: wq ``[n_heads * head_dim, dim]``,
     wk and wv ``[kv_heads * head_dim, dim]``, wo ``[dim, n_heads * head_dim]``; with ``qk_norm``
@@ -286,7 +106,7 @@ class Attention(nn.Module):
     def __init__(self, args: LlamaArgs):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.kv_heads, args.head_dim
-        self.backends = _BACKENDS[args.attention_backend]
+        self.backends = args.sdpa_backends
         self.rope_kernel = args.rope_kernel
         self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=args.qkv_bias)
         self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=args.qkv_bias)
@@ -315,14 +135,16 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
-        self.attention = Attention(args)
+        self.attention: Attention | LatentAttention = (
+            LatentAttention(args) if args.attention == "mla" else Attention(args))
         self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
         if args.is_moe_layer(layer_id):
             self.feed_forward: FeedForward | MoE = MoE(
                 args.dim, args.expert_dim, args.n_experts, args.moe_top_k, args.moe_router,
                 args.moe_norm_topk, args.moe_shared_hidden, args.moe_capacity_factor,
                 args.moe_aux_loss_coeff, args.moe_z_loss_coeff, args.moe_gemm,
-                args.moe_aux_grad_scale)
+                args.moe_aux_grad_scale, n_group=args.moe_n_group,
+                topk_group=args.moe_topk_group, routed_scale=args.moe_routed_scale)
         else:
             self.feed_forward = FeedForward(args.dim, args.ffn_dim)
 
@@ -342,7 +164,7 @@ class Transformer(nn.Module):
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        self.register_buffer("rope", rope_cache(args.max_seq_len, args.head_dim, args.rope_theta,
+        self.register_buffer("rope", rope_cache(args.max_seq_len, args.rope_dim, args.rope_theta,
                                                 args.rope_scaling), persistent=False)
         # The positions a forward without ``positions`` uses (None: 0..seq-1): context parallel
         # sets this rank's (``dtrain.parallel.context.apply_cp``).
@@ -372,14 +194,14 @@ class Transformer(nn.Module):
         """Fills every parameter from ``seed`` alone (see ``dtrain.models.init``) and rebuilds
         the RoPE cache, so a model materialised from ``meta`` by ``to_empty`` is ready to train.
 
-        Scheme: embeddings N(0, 1) (N(0, 0.02) when tied to the output); q/k/v/w1 N(0, 0.02);
-        wo/w2/w3 N(0, 0.02 / sqrt(2 (l + 1))) (depth-scaled); output N(0, dim^-1/2); all
-        truncated at 3 sigma except the embeddings. Norms (q_norm, k_norm too) one, biases
-        zero. MoE: the router gate N(0, 0.02), experts' w1/w2/w3 as the dense ones (each
-        ``[n_experts, ...]`` tensor is one parameter)."""
+        Scheme: embeddings N(0, 1) (N(0, 0.02) when tied to the output); q/k/v (MLA's wq_a,
+        wq_b, wkv_a, wkv_b)/w1 N(0, 0.02); wo/w2/w3 N(0, 0.02 / sqrt(2 (l + 1))) (depth-scaled);
+        output N(0, dim^-1/2); all truncated at 3 sigma except the embeddings. Norms (q_norm,
+        k_norm, kv_norm too) one, biases zero. MoE: the router gate N(0, 0.02), experts'
+        w1/w2/w3 as the dense ones (each ``[n_experts, ...]`` tensor is one parameter)."""
         args = self.args
         device = buffer_device or self.rope.device
-        self.rope = rope_cache(args.max_seq_len, args.head_dim, args.rope_theta,
+        self.rope = rope_cache(args.max_seq_len, args.rope_dim, args.rope_theta,
                                args.rope_scaling).to(device)
         if self.positions is not None:
             self.positions = self.positions.to(device)
@@ -394,7 +216,7 @@ class Transformer(nn.Module):
                 init.normal_(param, 0.02 if args.tie_embeddings else 1.0, seed, name)
             elif leaf == "output":
                 init.normal_(param, args.dim ** -0.5, seed, name, cutoff=3.0)
-            elif leaf in ("wq", "wk", "wv", "w1", "gate"):
+            elif leaf in ("wq", "wk", "wv", "wq_a", "wq_b", "wkv_a", "wkv_b", "w1", "gate"):
                 init.normal_(param, 0.02, seed, name, cutoff=3.0)
             else:  # wo, w2, w3
                 layer_id = int(name.split(".")[1])

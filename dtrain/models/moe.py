@@ -5,7 +5,9 @@ A token's hidden state goes to ``top_k`` of ``n_experts`` SwiGLU experts chosen 
 
 - ``softmax`` (Mixtral): probabilities over the experts, the top k taken and renormalised to sum
   to one. ``sigmoid`` (DeepSeek-V3): independent scores; the top k of score + ``expert_bias`` are
-  taken (the bias only steers the choice, aux-loss-free balancing) and their scores normalised.
+  taken (the bias only steers the choice, aux-loss-free balancing) and their scores normalised;
+  optionally within the best groups of experts only, and scaled (DeepSeek-V3's group-limited
+  routing and ``routed_scaling_factor``, ``Router``).
 - Load-balancing loss (Switch/Megatron): ``E * sum_e f_e * P_e``, with ``f_e`` the share of the
   k x T assignments that chose expert e and ``P_e`` the mean router score of e over the T tokens
   (1.0 when perfectly balanced). Router z-loss (ST-MoE): the mean over tokens of
@@ -139,14 +141,28 @@ class GroupedExperts(nn.Module):
 
 
 class Router(nn.Module):
-    """Scores each token against every expert and picks ``top_k``."""
+    """Scores each token against every expert and picks ``top_k``.
+
+    ``n_group`` > 1 (sigmoid routers; DeepSeek-V3's group-limited routing): the experts form
+    ``n_group`` equal groups, each scored by the sum of its two highest biased scores, and the
+    top k is taken among the experts of the ``topk_group`` best groups. The chosen weights,
+    normalised or not, are multiplied by ``routed_scale`` (DeepSeek-V3's
+    ``routed_scaling_factor``)."""
 
     def __init__(self, dim: int, n_experts: int, top_k: int, score: str = "softmax",
-                 norm_topk: bool = True):
+                 norm_topk: bool = True, n_group: int = 1, topk_group: int = 1,
+                 routed_scale: float = 1.0):
         super().__init__()
         if score not in ("softmax", "sigmoid"):
             raise ValueError(f"router score {score!r}: use softmax or sigmoid")
+        per_group = n_experts // max(n_group, 1)
+        if n_group > 1 and (score != "sigmoid" or n_experts % n_group or per_group < 2
+                            or not 1 <= topk_group <= n_group or top_k > topk_group * per_group):
+            raise ValueError(f"group-limited routing needs a sigmoid router, n_group = {n_group} "
+                             f"groups of 2 or more of the {n_experts} experts, and top_k = "
+                             f"{top_k} within the experts of topk_group = {topk_group} groups")
         self.top_k, self.score, self.norm_topk = top_k, score, norm_topk
+        self.n_group, self.topk_group, self.routed_scale = n_group, topk_group, routed_scale
         self.gate = nn.Linear(dim, n_experts, bias=False)
         if score == "sigmoid":  # aux-loss-free balancing: steers the choice, not the weights
             self.register_buffer("expert_bias", torch.zeros(n_experts))
@@ -160,11 +176,26 @@ class Router(nn.Module):
             chosen = scores.topk(self.top_k, dim=-1).indices
         else:
             scores = logits.sigmoid()
-            chosen = (scores.detach() + self.expert_bias).topk(self.top_k, dim=-1).indices
+            biased = scores.detach() + self.expert_bias
+            if self.n_group > 1:
+                biased = self.in_best_groups(biased)
+            chosen = biased.topk(self.top_k, dim=-1).indices
         weights = scores.gather(-1, chosen)
         if self.norm_topk or self.score == "sigmoid":
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+            # + 1e-20 as transformers' DeepSeek-V3: a sum above 1e-12 stays as it is in fp32.
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        if self.routed_scale != 1.0:
+            weights = weights * self.routed_scale
         return logits, scores, chosen, weights
+
+    def in_best_groups(self, biased: torch.Tensor) -> torch.Tensor:
+        """``biased`` (tokens, experts) with -inf outside each token's ``topk_group`` groups of
+        highest score, a group's score being the sum of its two highest."""
+        groups = biased.unflatten(-1, (self.n_group, -1))
+        group_scores = groups.topk(2, dim=-1).values.sum(dim=-1)
+        best = group_scores.topk(self.topk_group, dim=-1).indices
+        kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(-1, best, True)
+        return groups.masked_fill(~kept.unsqueeze(-1), float("-inf")).flatten(-2)
 
 
 def load_balancing_loss(scores: torch.Tensor, counts: torch.Tensor, top_k: int,
@@ -213,7 +244,8 @@ class MoE(nn.Module):
     def __init__(self, dim: int, hidden: int, n_experts: int, top_k: int, score: str = "softmax",
                  norm_topk: bool = True, shared_hidden: int = 0, capacity_factor: float = 0.0,
                  aux_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0, gemm: str = "auto",
-                 aux_grad_scale: float = 1.0):
+                 aux_grad_scale: float = 1.0, n_group: int = 1, topk_group: int = 1,
+                 routed_scale: float = 1.0):
         super().__init__()
         self.n_experts, self.top_k = n_experts, top_k
         self.capacity_factor = capacity_factor
@@ -225,7 +257,8 @@ class MoE(nn.Module):
         # ranks (sequence parallel): expert counts -> (their sum over those ranks, the number of
         # ranks); the aux loss then uses the summed counts.
         self.sum_over_shards: Callable[[torch.Tensor], tuple[torch.Tensor, int]] | None = None
-        self.router = Router(dim, n_experts, top_k, score, norm_topk)
+        self.router = Router(dim, n_experts, top_k, score, norm_topk, n_group, topk_group,
+                             routed_scale)
         self.experts = GroupedExperts(dim, hidden, n_experts, gemm)
         self.shared_expert = FeedForward(dim, shared_hidden) if shared_hidden else None
         self.register_buffer("tokens_per_expert", torch.zeros(n_experts), persistent=False)

@@ -10,15 +10,23 @@ replicated. Per-head q/k norms (``qk_norm``) run on this rank's heads with their
 replicated. The embedding table is split by vocabulary rows; the output projection is
 column-parallel over the vocabulary and, with loss parallel, its logits stay sharded: the
 cross-entropy is computed on the vocabulary shards and full logits are never gathered.
+
+DeepSeek's latent attention (``dtrain.models.mla``) splits its heads from the up-projections on:
+``wq`` or ``wq_b`` and ``wkv_b`` column-parallel, ``wo`` row-parallel. The down-projections
+``wq_a`` and ``wkv_a`` and the latent norms stay whole on every rank and compute on the gathered
+sequence, so their gradients come out whole: the column-parallel inputs sum theirs over the
+ranks, and the rotary key all heads share gets its sum from ``SharedRopeKey``.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -30,6 +38,7 @@ from torch.distributed.tensor.parallel import (
 
 from dtrain.config import ConfigError
 from dtrain.models.llama import LlamaArgs, Transformer
+from dtrain.models.mla import LatentAttention
 from dtrain.models.moe import MoE
 from dtrain.parallel.compile import fp8_output_layer
 
@@ -37,7 +46,9 @@ from dtrain.parallel.compile import fp8_output_layer
 def check_tp(args: LlamaArgs, tp: int, seq_len: int) -> None:
     """Raises ConfigError when the heads of the model ``args`` describes, its feed-forward or
     the sequence do not split over ``tp``."""
-    sizes = [("n_heads", args.n_heads), ("n_kv_heads", args.kv_heads)]
+    sizes = [("n_heads", args.n_heads)]
+    if args.attention != "mla":  # MLA's keys and values have one head per query head
+        sizes.append(("n_kv_heads", args.kv_heads))
     if not all(args.is_moe_layer(i) for i in range(args.n_layers)):  # a dense feed-forward
         sizes.append(("ffn hidden size", args.ffn_dim))
     for name, value in sizes:
@@ -131,15 +142,26 @@ def block_plan(block: nn.Module, float8: bool = False) -> dict[str, ParallelStyl
         style = prepare if all(name in fp8 for name in readers) else PrepareModuleInput
         return style(input_layouts=layouts, desired_input_layouts=desired)
 
+    if isinstance(block.attention, LatentAttention):
+        attention = latent_attention_plan(block.attention, col, row)
+    else:
+        attention = {
+            # The second input is the RoPE table, the same on every rank.
+            "attention": gather(["attention.wq", "attention.wk", "attention.wv"],
+                                (Shard(1), None), (Replicate(), None)),
+            "attention.wq": col("attention.wq"),
+            "attention.wk": col("attention.wk"),
+            "attention.wv": col("attention.wv"),
+            "attention.wo": row("attention.wo"),
+        }
+        if block.attention.q_norm is not None:
+            # q and k arrive as this rank's heads (dim 2); each head is normalised over
+            # head_dim with the one replicated weight.
+            for norm in ("attention.q_norm", "attention.k_norm"):
+                attention[norm] = SequenceParallel(sequence_dim=2, use_local_output=True)
     plan = {
         "attention_norm": SequenceParallel(),
-        # The second input is the RoPE table, the same on every rank.
-        "attention": gather(["attention.wq", "attention.wk", "attention.wv"],
-                            (Shard(1), None), (Replicate(), None)),
-        "attention.wq": col("attention.wq"),
-        "attention.wk": col("attention.wk"),
-        "attention.wv": col("attention.wv"),
-        "attention.wo": row("attention.wo"),
+        **attention,
         "ffn_norm": SequenceParallel(),
         "feed_forward": gather(["feed_forward.w1", "feed_forward.w3"],
                                (Shard(1),), (Replicate(),)),
@@ -147,11 +169,6 @@ def block_plan(block: nn.Module, float8: bool = False) -> dict[str, ParallelStyl
         "feed_forward.w2": row("feed_forward.w2"),
         "feed_forward.w3": col("feed_forward.w3"),
     }
-    if getattr(block.attention, "q_norm", None) is not None:
-        # q and k arrive as this rank's heads (dim 2); each head is normalised over head_dim
-        # with the one replicated weight.
-        for norm in ("attention.q_norm", "attention.k_norm"):
-            plan[norm] = SequenceParallel(sequence_dim=2, use_local_output=True)
     if isinstance(block.feed_forward, MoE):
         # Tokens stay sequence-sharded through the MoE: each rank routes and dispatches its own
         # tokens (to the experts' ranks over ep), so the MoE runs on local tensors (and returns
@@ -162,6 +179,45 @@ def block_plan(block: nn.Module, float8: bool = False) -> dict[str, ParallelStyl
         plan["feed_forward"] = PrepareModuleInput(
             input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_output=True)
     return plan
+
+
+def latent_attention_plan(attention: LatentAttention, col: Callable[[str], ParallelStyle],
+                          row: Callable[[str], ParallelStyle]) -> dict[str, ParallelStyle]:
+    """The TP plan of a block's ``LatentAttention``: the sequence gathered into a plain tensor,
+    on which ``wq_a``, ``q_norm``, ``wkv_a`` (``SharedRopeKey``) and ``kv_norm`` compute with
+    their whole weights; ``wq`` or ``wq_b`` and ``wkv_b`` column-parallel over the heads (``col``
+    gives the style of a linear), ``wo`` row-parallel (``row``)."""
+    q = "attention.wq" if attention.q_lora_rank is None else "attention.wq_b"
+    return {
+        "attention": PrepareModuleInput(input_layouts=(Shard(1), None),
+                                        desired_input_layouts=(Replicate(), None),
+                                        use_local_output=True),
+        q: col(q),
+        "attention.wkv_a": SharedRopeKey(attention.rope_dim),
+        "attention.wkv_b": col("attention.wkv_b"),
+        "attention.wo": row("attention.wo"),
+    }
+
+
+class SharedRopeKey(ParallelStyle):
+    """MLA's ``wkv_a`` under tensor parallel: its weight stays whole on every rank, and in
+    backward the gradient of its output's last ``rope_dim`` channels, the rotary key all heads
+    share, is summed over the ranks (each rank's heads add only theirs). The latent channels
+    need no sum: the column-parallel ``wkv_b`` they reach sums its input's gradient."""
+
+    def __init__(self, rope_dim: int):
+        self.rope_dim = rope_dim
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def sum_rope_gradient(module: nn.Module, inputs: tuple, output: torch.Tensor):
+            latent, rope = output.split([output.shape[-1] - self.rope_dim, self.rope_dim], -1)
+            # Forward: the same tensor; backward: the Partial gradient all-reduced.
+            rope = DTensor.from_local(rope, device_mesh, [Replicate()], run_check=False) \
+                .to_local(grad_placements=[Partial()])
+            return torch.cat([latent, rope], dim=-1)
+
+        module.register_forward_hook(sum_rope_gradient)
+        return module
 
 
 def enable_async_tp(tp_mesh: DeviceMesh) -> None:

@@ -46,9 +46,13 @@ def load_balanced_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
 
 
 def check_cp(args: LlamaArgs, cp: int, tp: int, seq_len: int, comm_type: str) -> None:
-    """Raises ConfigError when the sequence does not split into 2 cp (x tp) chunks, or, for
-    ``a2a``, the (tensor-parallel local) heads of the model ``args`` describes do not split over
-    cp."""
+    """Raises ConfigError for multi-head latent attention, when the sequence does not split
+    into 2 cp (x tp) chunks, or, for ``a2a``, the (tensor-parallel local) heads of the model
+    ``args`` describes do not split over cp."""
+    if args.attention == "mla":
+        raise ConfigError("parallel.cp > 1 is not available with multi-head latent attention "
+                          "(attention = 'mla'): context-parallel attention takes keys and values "
+                          "of one width and the default softmax scale; use parallel.cp = 1")
     if seq_len % (2 * cp * tp):
         what = f"2 x parallel.cp x parallel.tp = 2 x {cp} x {tp}" if tp > 1 \
             else f"2 x parallel.cp = 2 x {cp}"
