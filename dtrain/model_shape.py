@@ -24,7 +24,9 @@ FIELDS = {"hidden_size": "dim", "head_dim": "head_size"}
 SHAPE_KEYS = ("hidden_size", "n_heads", "n_kv_heads", "head_dim", "ffn_hidden_size",
               "ffn_dim_multiplier", "multiple_of", "norm_eps", "rope_theta", "max_seq_len",
               "tie_embeddings", "qkv_bias", "out_bias", "qk_norm", "n_experts", "moe_top_k",
-              "moe_hidden_size", "moe_shared_hidden")
+              "moe_hidden_size", "moe_shared_hidden", "moe_n_group", "moe_topk_group",
+              "moe_routed_scale", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+              "v_head_dim")
 # The published defaults of each scaling, where neither the key nor the base shape sets one.
 ROPE_DEFAULTS = {"llama3": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                             "original_max_seq_len": 8192},
@@ -58,6 +60,11 @@ def base_args(cfg: ModelConfig) -> LlamaArgs:
     except ValueError as e:
         raise ConfigError(f"model.hf_config: {file} is not valid JSON ({e})") from None
     try:
+        if "DeepseekV3ForCausalLM" in (config.get("architectures") or []) \
+                or config.get("model_type") == "deepseek_v3":
+            from dtrain.hf_deepseek import deepseek_v3_args
+
+            return deepseek_v3_args(config)
         return args_from_hf_config(config)
     except (KeyError, ValueError) as e:
         raise ConfigError(f"model.hf_config: {file}: {e}") from None
@@ -113,6 +120,10 @@ def model_args_of(cfg: ModelConfig, microbatches: int = 1) -> LlamaArgs:
         shape["n_layers"] = cfg.n_layers
     if cfg.vocab_size:
         shape["vocab_size"] = cfg.vocab_size
+    if cfg.q_lora_rank is not None:
+        shape["q_lora_rank"] = cfg.q_lora_rank or None  # 0: one query projection
+    if cfg.attention != "preset":
+        shape["attention"] = cfg.attention
     if cfg.ffn_dim_multiplier is not None or cfg.multiple_of is not None:
         shape.setdefault("ffn_hidden_size", None)  # Llama's rule, not the base's width
     args = dataclasses.replace(args, **shape, attention_backend=cfg.attention_backend,
@@ -131,6 +142,8 @@ def describe_shape(cfg: ModelConfig) -> str | None:
             if getattr(cfg, key) is not None]
     keys += [key for key in ("n_layers", "vocab_size") if getattr(cfg, key)]
     keys += ["rope_scaling"] if cfg.rope_scaling != "preset" else []
+    keys += ["attention"] if cfg.attention != "preset" else []
+    keys += ["q_lora_rank"] if cfg.q_lora_rank is not None else []
     base = f"{cfg.hf_config} (model.hf_config)" if cfg.hf_config else f"preset {cfg.name}"
     if not keys and not cfg.hf_config:
         return None
@@ -139,7 +152,9 @@ def describe_shape(cfg: ModelConfig) -> str | None:
 
 def check_shape(args: LlamaArgs) -> None:
     """Cross-checks of a shape; raises ConfigError naming the [model] keys and the fix."""
-    if args.head_size is None and args.dim % args.n_heads:
+    if args.attention == "mla":
+        check_latent_attention(args)
+    elif args.head_size is None and args.dim % args.n_heads:
         raise ConfigError(f"model.hidden_size = {args.dim} is not divisible by model.n_heads = "
                           f"{args.n_heads}: change one, or set model.head_dim")
     if args.n_heads % args.kv_heads:
@@ -149,6 +164,7 @@ def check_shape(args: LlamaArgs) -> None:
         raise ConfigError(f"the head width {args.head_dim} (hidden_size / n_heads) is odd: "
                           f"RoPE rotates pairs of channels; set model.head_dim to an even width")
     if args.n_experts:
+        check_groups(args)
         if args.moe_top_k > args.n_experts:
             raise ConfigError(f"model.moe_top_k = {args.moe_top_k} exceeds model.n_experts = "
                               f"{args.n_experts}: route each token to at most n_experts")
@@ -161,3 +177,34 @@ def check_shape(args: LlamaArgs) -> None:
             and scaling.low_freq_factor >= scaling.high_freq_factor:
         raise ConfigError(f"model.rope_low_freq_factor = {scaling.low_freq_factor} must be "
                           f"below model.rope_high_freq_factor = {scaling.high_freq_factor}")
+
+
+def check_latent_attention(args: LlamaArgs) -> None:
+    """MLA's widths are all given (ConfigError naming the unset ones)."""
+    unset = [key for key, field in (("kv_lora_rank", "kv_lora_rank"),
+                                    ("qk_nope_head_dim", "qk_nope_head_dim"),
+                                    ("qk_rope_head_dim", "qk_rope_head_dim"),
+                                    ("v_head_dim", "v_head_dim")) if getattr(args, field) < 1]
+    if unset:
+        raise ConfigError(f"model.attention = 'mla' needs {', '.join('model.' + k for k in unset)}"
+                          f": set them (DeepSeek-V3: kv_lora_rank 512, qk_nope_head_dim 128, "
+                          f"qk_rope_head_dim 64, v_head_dim 128)")
+
+
+def check_groups(args: LlamaArgs) -> None:
+    """Group-limited routing: a sigmoid router, equal groups of two or more experts, and the
+    top-k inside the chosen groups."""
+    n_group, topk_group = args.moe_n_group, args.moe_topk_group
+    if n_group == 1:
+        return
+    per_group = args.n_experts // n_group
+    if args.moe_router != "sigmoid":
+        raise ConfigError(f"model.moe_n_group = {n_group} needs model.moe_router = 'sigmoid' "
+                          "(DeepSeek-V3's group-limited routing)")
+    if args.n_experts % n_group or per_group < 2:
+        raise ConfigError(f"model.moe_n_group = {n_group} does not split model.n_experts = "
+                          f"{args.n_experts} into equal groups of 2 or more")
+    if not 1 <= topk_group <= n_group or args.moe_top_k > topk_group * per_group:
+        raise ConfigError(f"model.moe_topk_group = {topk_group} must be at most moe_n_group = "
+                          f"{n_group} and its groups must hold moe_top_k = {args.moe_top_k} "
+                          "experts")

@@ -136,3 +136,61 @@ def test_the_dry_run_and_the_memory_model_take_the_section():
     with pytest.raises(ConfigError, match="model.n_kv_heads = 4 does not divide"):
         validate(load_config("debug", {"model.n_heads": 6, "model.n_kv_heads": 4,
                                        "model.head_dim": 32}), 1, None)
+
+
+# DeepSeek-V3's shape in small: latent attention with a compressed query, 4 sigmoid-routed
+# experts in 2 groups with a routed scale and a shared expert, the first block dense.
+DEEPSEEK = {"model.n_layers": 2, "model.attention": "mla", "model.q_lora_rank": 32,
+            "model.kv_lora_rank": 24, "model.qk_nope_head_dim": 16, "model.qk_rope_head_dim": 8,
+            "model.v_head_dim": 16, "model.n_experts": 4, "model.moe_top_k": 2,
+            "model.moe_hidden_size": 64, "model.moe_shared_hidden": 64,
+            "model.moe_router": "sigmoid", "model.moe_n_group": 2, "model.moe_topk_group": 1,
+            "model.moe_routed_scale": 2.5, "model.moe_first_dense_layers": 1}
+
+
+def test_a_deepseek_shape_declared_in_the_section_trains(tmp_path):
+    trainer = Trainer(load_config("debug", {
+        **DEEPSEEK, "training.steps": 2, "training.seq_len": 32, "training.global_batch_size": 2,
+        "training.micro_batch_size": 1, "metrics.log_every": 1, "metrics.tensorboard": False,
+        "job.output_dir": str(tmp_path)}))
+    args = trainer.model.args
+    assert (args.attention, args.q_lora_rank, args.moe_n_group, args.moe_routed_scale,
+            args.moe_layers) == ("mla", 32, 2, 2.5, (1,))
+    attention = trainer.model.layers["0"].attention
+    assert attention.wkv_a.weight.shape == (24 + 8, 256)
+    assert [r["step"] for r in trainer.train()] == [1, 2]
+    assert model_args_of(load_config(trainer.run_dir / "config.toml").model,
+                         trainer.grad_accum) == args
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"model.kv_lora_rank": None},
+     "model.attention = 'mla' needs model.kv_lora_rank: set them"),
+    ({"model.moe_router": "softmax"},
+     "model.moe_n_group = 2 needs model.moe_router = 'sigmoid'"),
+    ({"model.moe_n_group": 3}, "model.moe_n_group = 3 does not split model.n_experts = 4"),
+    ({"model.moe_topk_group": 3}, "model.moe_topk_group = 3 must be at most moe_n_group = 2"),
+], ids=["mla-widths", "groups-softmax", "groups-split", "topk-group"])
+def test_a_deepseek_shape_that_cannot_be_built_is_one_line(change, message):
+    overrides = {k: v for k, v in {**DEEPSEEK, **change}.items() if v is not None}
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        validate(load_config("debug", overrides), 1, None)
+
+
+def test_model_hf_config_reads_a_deepseek_v3_config(tmp_path):
+    from transformers import DeepseekV3Config
+
+    from dtrain.hf_deepseek import deepseek_v3_args
+
+    config = DeepseekV3Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                              q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8,
+                              qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=4,
+                              num_experts_per_tok=2, n_group=2, topk_group=1,
+                              first_k_dense_replace=1, moe_intermediate_size=32,
+                              intermediate_size=96, vocab_size=4096)
+    config.save_pretrained(tmp_path)
+    args = model_args_of(load_config("debug", {"model.hf_config": str(tmp_path)}).model)
+    expected = deepseek_v3_args(json.loads((tmp_path / "config.json").read_text()))
+    assert (args.attention, args.q_lora_rank, args.n_experts, args.moe_layers) == (
+        "mla", None, 4, (1,))
+    assert dataclasses.replace(args, rope_kernel=expected.rope_kernel) == expected

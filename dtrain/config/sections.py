@@ -52,8 +52,7 @@ class JobConfig:
 @dataclass
 class ModelConfig:
     name: str = "llama3_debug"
-    """Model preset from ``dtrain.models.presets`` (llama3_debug, llama3_8b, ...): a named set of
-    defaults for the shape keys below, each of which replaces its value where set."""
+    """Model preset (``dtrain.models.presets``): the defaults of the shape keys below."""
     hf_config: str = ""
     """A Hugging Face model folder or its config.json (LlamaForCausalLM, MistralForCausalLM,
     MixtralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM): the shape's
@@ -75,8 +74,7 @@ class ModelConfig:
                                   "an even integer >= 2")
     """Each head's width (--kv-channels); unset: hidden_size / n_heads."""
     ffn_hidden_size: int | None = ranged(None, unset_or(lambda v: v >= 1), "an integer >= 1")
-    """The feed-forward's width (--ffn-hidden-size); unset: Llama's rule from ffn_dim_multiplier
-    and multiple_of (or the preset's width)."""
+    """The feed-forward's width (--ffn-hidden-size); unset: the preset's, or Llama's rule."""
     ffn_dim_multiplier: float | None = ranged(None, unset_or(lambda v: v > 0), "a number > 0")
     """Llama's rule: 8/3 x hidden_size x this, rounded up to multiple_of."""
     multiple_of: int | None = ranged(None, unset_or(lambda v: v >= 1), "an integer >= 1")
@@ -86,8 +84,7 @@ class ModelConfig:
     rope_theta: float | None = ranged(None, unset_or(lambda v: v > 0), "a number > 0")
     """RoPE's base (--rotary-base)."""
     rope_scaling: Literal["preset", "none", "llama3", "yarn"] = "preset"
-    """RoPE frequency scaling for long context: none, Llama 3.1's (llama3), or YaRN; the
-    rope_* keys below set its parameters (unset: the preset's, else the published defaults)."""
+    """RoPE scaling for long context: none, Llama 3.1's (llama3) or YaRN (rope_* keys below)."""
     rope_scaling_factor: float | None = ranged(None, unset_or(lambda v: v >= 1), "a number >= 1")
     """llama3 and yarn: how much longer the context is than rope_original_max_seq_len."""
     rope_original_max_seq_len: int | None = ranged(None, unset_or(lambda v: v >= 1),
@@ -104,8 +101,7 @@ class ModelConfig:
     max_seq_len: int | None = ranged(None, unset_or(lambda v: v >= 1), "an integer >= 1")
     """The longest sequence (--max-position-embeddings): the RoPE table's length."""
     tie_embeddings: bool | None = None
-    """The output layer shares the token embedding's table (unset: the preset's; Megatron ties
-    unless --untie-embeddings-and-output-weights)."""
+    """The output layer shares the token embedding's table (Megatron: unless --untie-...)."""
     qkv_bias: bool | None = None
     """Biases on the query, key and value projections (Qwen2; --add-qkv-bias)."""
     out_bias: bool | None = None
@@ -119,14 +115,31 @@ class ModelConfig:
     moe_hidden_size: int | None = ranged(None, unset_or(lambda v: v >= 1), "an integer >= 1")
     """MoE: each expert's feed-forward width (--moe-ffn-hidden-size)."""
     moe_shared_hidden: int | None = ranged(None, unset_or(lambda v: v >= 0), "an integer >= 0")
-    """MoE: width of the shared expert every token also takes (0: none;
-    --moe-shared-expert-intermediate-size)."""
+    """MoE: width of a shared expert every token also takes (0: none)."""
     moe_layer_freq: int | None = ranged(None, unset_or(lambda v: v >= 1), "an integer >= 1")
-    """MoE: every this-many-th block is an MoE layer, counting from block 0, the others dense
-    (--moe-layer-freq; 1: every block)."""
+    """MoE: every this-many-th block from block 0 is MoE, the others dense (--moe-layer-freq)."""
     moe_first_dense_layers: int | None = ranged(None, unset_or(lambda v: v >= 0),
                                                 "an integer >= 0")
     """MoE: the first this-many blocks are dense (DeepSeek's first_k_dense_replace)."""
+    moe_n_group: int | None = ranged(None, unset_or(lambda v: v >= 1), "an integer >= 1")
+    """MoE, sigmoid router: DeepSeek-V3's expert groups (n_group; 1: no groups)."""
+    moe_topk_group: int | None = ranged(None, unset_or(lambda v: v >= 1), "an integer >= 1")
+    """MoE: each token takes its experts from its best this-many groups (topk_group)."""
+    moe_routed_scale: float | None = ranged(None, unset_or(lambda v: v > 0), "a number > 0")
+    """MoE: a factor on the routed experts' weights (routed_scaling_factor)."""
+    attention: Literal["preset", "gqa", "mla"] = "preset"
+    """gqa: n_kv_heads key/value heads; mla: DeepSeek-V3's latent attention (keys below)."""
+    q_lora_rank: int | None = ranged(None, unset_or(lambda v: v >= 0), "an integer >= 0")
+    """mla: queries through a latent of this width (0: one query projection)."""
+    kv_lora_rank: int | None = ranged(None, unset_or(lambda v: v >= 1), "an integer >= 1")
+    """mla: the latent width keys and values are expanded from."""
+    qk_nope_head_dim: int | None = ranged(None, unset_or(lambda v: v >= 1), "an integer >= 1")
+    """mla: each head's query/key channels without RoPE."""
+    qk_rope_head_dim: int | None = ranged(None, unset_or(lambda v: v >= 2 and v % 2 == 0),
+                                          "an even integer >= 2")
+    """mla: each head's query/key channels with RoPE (the key's shared by the heads)."""
+    v_head_dim: int | None = ranged(None, unset_or(lambda v: v >= 1), "an integer >= 1")
+    """mla: each head's value width."""
     attention_backend: Literal["auto", "cudnn", "flash", "efficient", "math"] = "auto"
     """SDPA kernel; auto prefers cuDNN, then flash, then memory-efficient, then math."""
     triton_kernels: bool = True
