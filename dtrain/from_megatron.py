@@ -51,6 +51,13 @@ DIRECT: dict[str, tuple[str, Callable]] = {
     "--moe-z-loss-coeff": ("model.moe_z_loss_coeff", float),
     "--moe-expert-capacity-factor": ("model.moe_capacity_factor", float),
     "--moe-router-bias-update-rate": ("model.moe_bias_update_rate", float),
+    "--moe-router-num-groups": ("model.moe_n_group", int),
+    "--moe-router-group-topk": ("model.moe_topk_group", int),
+    "--moe-router-topk-scaling-factor": ("model.moe_routed_scale", float),
+    "--q-lora-rank": ("model.q_lora_rank", int), "--kv-lora-rank": ("model.kv_lora_rank", int),
+    "--qk-head-dim": ("model.qk_nope_head_dim", int),
+    "--qk-pos-emb-head-dim": ("model.qk_rope_head_dim", int),
+    "--v-head-dim": ("model.v_head_dim", int),
     "--tensor-model-parallel-size": ("parallel.tp", int),
     "--pipeline-model-parallel-size": ("parallel.pp", int),
     "--context-parallel-size": ("parallel.cp", int),
@@ -75,6 +82,7 @@ DIRECT: dict[str, tuple[str, Callable]] = {
 SWITCHES: dict[str, dict[str, object]] = {
     "--untie-embeddings-and-output-weights": {"model.tie_embeddings": False},
     "--add-qkv-bias": {"model.qkv_bias": True}, "--qk-layernorm": {"model.qk_norm": True},
+    "--multi-latent-attention": {"model.attention": "mla"},
     "--use-rope-scaling": {"model.rope_scaling": "llama3"},
     "--bf16": {"training.mixed_precision": "bf16"},
     "--moe-grouped-gemm": {"model.moe_gemm": "grouped"},
@@ -257,6 +265,8 @@ def _finish(out: Translation, args: list[str]) -> None:
         keys["model.ffn_hidden_size"] = int(4 * keys["model.hidden_size"] * 2 / 3 / 64) * 64
     for key, value in MEGATRON_DEFAULTS.items():
         keys.setdefault(key, value)
+    if keys.get("model.attention") == "mla":
+        keys.setdefault("model.q_lora_rank", 0)  # Megatron's default: no query latent
     if "--bf16" not in args:
         keys.setdefault("training.mixed_precision", "fp32")
     if (per_stage := keys.get("parallel.pp_virtual_stages", 1)) < 0:

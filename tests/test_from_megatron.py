@@ -129,3 +129,21 @@ def test_a_script_without_pretrain_gpt_is_one_line(tmp_path):
                           "python pretrain_gpt.py ${ARGS[@]} --y \"two words\"\n")
     assert command.args == ["--x", "12", "--y", "two words"]
     assert json.dumps(command.args)
+
+
+def test_deepseek_v3_s_flags_map_onto_the_model_section():
+    out = translate(Command(["--multi-latent-attention", "--q-lora-rank", "1536",
+                             "--kv-lora-rank", "512", "--qk-head-dim", "128",
+                             "--qk-pos-emb-head-dim", "64", "--v-head-dim", "128",
+                             "--moe-router-score-function", "sigmoid",
+                             "--moe-router-num-groups", "8", "--moe-router-group-topk", "4",
+                             "--moe-router-topk-scaling-factor", "2.5"]))
+    assert out.unmapped == []
+    assert {k: out.keys[k] for k in ("model.attention", "model.q_lora_rank", "model.kv_lora_rank",
+                                     "model.qk_nope_head_dim", "model.qk_rope_head_dim",
+                                     "model.v_head_dim", "model.moe_router", "model.moe_n_group",
+                                     "model.moe_topk_group", "model.moe_routed_scale")} == {
+        "model.attention": "mla", "model.q_lora_rank": 1536, "model.kv_lora_rank": 512,
+        "model.qk_nope_head_dim": 128, "model.qk_rope_head_dim": 64, "model.v_head_dim": 128,
+        "model.moe_router": "sigmoid", "model.moe_n_group": 8, "model.moe_topk_group": 4,
+        "model.moe_routed_scale": 2.5}
