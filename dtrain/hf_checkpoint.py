@@ -25,6 +25,7 @@ command line, which also writes the recipe of an import and the tokenizer of an 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -79,30 +80,56 @@ def _to_half_split(w: torch.Tensor, heads: int) -> torch.Tensor:
 def from_hf_state_dict(hf: dict[str, torch.Tensor], args: LlamaArgs) -> dict[str, torch.Tensor]:
     """HF tensor names and layouts -> dtrain's: every tensor of ``Transformer(args)``'s state
     dict, taken from ``hf``; raises ConfigError naming the first one ``hf`` lacks."""
+    def convert(tensor: torch.Tensor, suffix: str) -> torch.Tensor:
+        heads = _rotary_heads(suffix, args)
+        return _to_interleaved(tensor, heads) if heads else tensor
+
+    return state_dict_from_hf(
+        hf, args, _TOP_NAMES, _LAYER_NAMES,
+        # an MoE layer's experts and router come from its experts' tensors
+        skip=lambda suffix, i: suffix.startswith("feed_forward.") and args.is_moe_layer(i),
+        convert=convert, experts=lambda i: _experts_from_hf(hf, args, i))
+
+
+def state_dict_from_hf(hf: dict[str, torch.Tensor], args: LlamaArgs, top_names: dict[str, str],
+                       layer_names: dict[str, str], skip: Callable[[str, int], bool],
+                       convert: Callable[[torch.Tensor, str], torch.Tensor],
+                       experts: Callable[[int], dict[str, torch.Tensor]],
+                       model: str = "model") -> dict[str, torch.Tensor]:
+    """Every tensor of ``Transformer(args)``'s state dict from an HF checkpoint ``hf``: a
+    top-level name through ``top_names``, a block's through ``layer_names`` (dtrain suffix ->
+    HF suffix inside ``model.layers.<i>.``) unless ``skip(suffix, i)``, each passed through
+    ``convert(tensor, suffix)``; each MoE block's stacked experts from ``experts(i)``; the tied
+    output layer as the embedding. Raises ConfigError naming the first tensor ``hf`` lacks."""
     with torch.device("meta"):
         names = list(Transformer(args).state_dict())
     out = {}
     for name in names:
         if name == "output.weight" and args.tie_embeddings:
             continue
-        if name in _TOP_NAMES:
-            key, suffix = _TOP_NAMES[name], ""
+        if name in top_names:
+            key, suffix = top_names[name], ""
         else:
             _, i, suffix = name.split(".", 2)
-            if suffix.startswith("feed_forward.") and args.is_moe_layer(int(i)):
-                continue  # the experts and router, per layer below
-            key = f"model.layers.{i}.{_LAYER_NAMES[suffix]}"
-        if key not in hf:
-            raise ConfigError(f"the HF checkpoint has no tensor {key}: it is not a complete "
-                              f"model of the shape its config.json gives")
-        heads = _rotary_heads(suffix, args)
-        out[name] = _to_interleaved(hf[key], heads) if heads else hf[key]
+            if skip(suffix, int(i)):
+                continue
+            key = f"model.layers.{i}.{layer_names[suffix]}"
+        out[name] = convert(hf_tensor(hf, key, model), suffix)
     for i in range(args.n_layers):
         if args.is_moe_layer(i):
-            out.update(_experts_from_hf(hf, args, i))
+            out.update(experts(i))
     if args.tie_embeddings:  # one tensor under both names, as the tied model's state_dict has
         out["output.weight"] = out["tok_embeddings.weight"]
     return out
+
+
+def hf_tensor(hf: dict[str, torch.Tensor], key: str, model: str = "model") -> torch.Tensor:
+    """``hf[key]``; ConfigError when the checkpoint lacks it."""
+    if key not in hf:
+        raise ConfigError(f"the HF checkpoint has no tensor {key}: it is not a complete {model} "
+                          "of the shape its config.json gives")
+    return hf[key]
+
 
 def _experts_from_hf(hf: dict[str, torch.Tensor], args: LlamaArgs,
                      i: int) -> dict[str, torch.Tensor]:

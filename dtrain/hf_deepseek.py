@@ -26,8 +26,9 @@ from __future__ import annotations
 import torch
 
 from dtrain.config import ConfigError
+from dtrain.hf_checkpoint import hf_tensor, state_dict_from_hf
 from dtrain.hf_config import rope_from_hf
-from dtrain.models.llama import LlamaArgs, Transformer
+from dtrain.models.llama import LlamaArgs
 
 _LAYER_NAMES = {  # dtrain suffix -> HF suffix, inside layers.<i>.
     "attention.wq.weight": "self_attn.q_proj.weight",
@@ -107,35 +108,17 @@ def from_deepseek_state_dict(hf: dict[str, torch.Tensor], args: LlamaArgs,
     ``Transformer(args)``'s state dict, taken from ``hf``; ``rope_interleave`` is
     config.json's (False: the rotary rows are interleaved here). Raises ConfigError naming the
     first tensor ``hf`` lacks."""
-    with torch.device("meta"):
-        names = list(Transformer(args).state_dict())
-    out = {}
-    for name in names:
-        if name == "output.weight" and args.tie_embeddings:
-            continue
-        if name in _TOP_NAMES:
-            key, suffix = _TOP_NAMES[name], ""
-        else:
-            _, i, suffix = name.split(".", 2)
-            if suffix.startswith("feed_forward.experts."):
-                continue  # stacked from the experts' tensors, per layer below
-            key = f"model.layers.{i}.{_LAYER_NAMES[suffix]}"
-        out[name] = _tensor(hf, key)
-        if not rope_interleave:
-            out[name] = _interleave_rotary_rows(out[name], suffix, args)
-    for i in range(args.n_layers):
-        if args.is_moe_layer(i):
-            out.update(_experts(hf, args, i))
-    if args.tie_embeddings:  # one tensor under both names, as the tied model's state_dict has
-        out["output.weight"] = out["tok_embeddings.weight"]
-    return out
+    def convert(tensor: torch.Tensor, suffix: str) -> torch.Tensor:
+        return tensor if rope_interleave else _interleave_rotary_rows(tensor, suffix, args)
+
+    return state_dict_from_hf(
+        hf, args, _TOP_NAMES, _LAYER_NAMES,
+        skip=lambda suffix, i: suffix.startswith("feed_forward.experts."),  # stacked below
+        convert=convert, experts=lambda i: _experts(hf, args, i), model="DeepSeek-V3 model")
 
 
 def _tensor(hf: dict[str, torch.Tensor], key: str) -> torch.Tensor:
-    if key not in hf:
-        raise ConfigError(f"the HF checkpoint has no tensor {key}: it is not a complete "
-                          "DeepSeek-V3 model of the shape its config.json gives")
-    return hf[key]
+    return hf_tensor(hf, key, "DeepSeek-V3 model")
 
 
 def _interleave_rotary_rows(w: torch.Tensor, suffix: str, args: LlamaArgs) -> torch.Tensor:

@@ -174,3 +174,30 @@ def small_disk(tmp_path):
     """A 64 MiB tmpfs: room for one checkpoint of the 2-block debug model (43 MB), not two."""
     with tmpfs(tmp_path / "disk", "size=64M") as mount:
         yield mount
+
+
+def with_biases_and_norms_drawn(model):
+    """``model`` with its biases and norm weights drawn away from 0 and 1 (the same on every
+    rank, seed 1), so that a misplaced bias or norm weight changes the result."""
+    import torch
+
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias") or "norm" in name:
+                param.copy_(0.5 + torch.rand(param.shape, generator=generator))
+    return model
+
+
+def logits_and_grads(model, vocab: int = 128):
+    """Logits and gradients (gathered whole) of one forward and backward of ``model`` on a fixed
+    batch of 2 x 16 tokens."""
+    import torch
+    import torch.nn.functional as F
+
+    tokens = torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(2))
+    logits = model(tokens)
+    F.cross_entropy(logits.flatten(0, 1), tokens.roll(-1, 1).flatten()).backward()
+    return logits.detach(), {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor")
+                                    else p.grad) for name, p in model.named_parameters()}
+

@@ -8,7 +8,7 @@ import socket
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from conftest import logits_and_grads, with_biases_and_norms_drawn
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
@@ -160,25 +160,10 @@ def test_mla_tensor_parallel_needs_tp_to_divide_the_heads():
 
 
 def mla_model(q_lora_rank: int | None) -> Transformer:
-    """MLA_ARGS initialised, then biases and norm weights drawn away from 0 and 1 (the same on
-    every rank)."""
+    """MLA_ARGS initialised, its biases and norm weights drawn (the same on every rank)."""
     model = Transformer(dataclasses.replace(MLA_ARGS, q_lora_rank=q_lora_rank))
     model.init_weights(seed=0)
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith(".bias") or "norm" in name:
-                param.copy_(0.5 + torch.rand(param.shape, generator=generator))
-    return model
-
-
-def mla_step(model: Transformer) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Logits and gradients (gathered whole) of one forward and backward on a fixed batch."""
-    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(2))
-    logits = model(tokens)
-    F.cross_entropy(logits.flatten(0, 1), tokens.roll(-1, 1).flatten()).backward()
-    return logits.detach(), {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor")
-                                    else p.grad) for name, p in model.named_parameters()}
+    return with_biases_and_norms_drawn(model)
 
 
 def mla_tp_worker(rank: int, port: int, q_lora_rank: int | None, out: str) -> None:
@@ -186,7 +171,7 @@ def mla_tp_worker(rank: int, port: int, q_lora_rank: int | None, out: str) -> No
                             world_size=2)
     model = mla_model(q_lora_rank)
     apply_tp(model, init_device_mesh("cpu", (2,)), loss_parallel=False)
-    logits, grads = mla_step(model)
+    logits, grads = logits_and_grads(model)
     if rank == 0:
         torch.save({"logits": logits, "grads": grads}, out)
     dist.destroy_process_group()
@@ -204,7 +189,7 @@ def test_mla_tensor_parallel_matches_one_process(tmp_path, q_lora_rank):
     out = tmp_path / "tp.pt"
     torch.multiprocessing.spawn(mla_tp_worker, args=(port, q_lora_rank, str(out)), nprocs=2)
     got = torch.load(out)
-    logits, grads = mla_step(mla_model(q_lora_rank))
+    logits, grads = logits_and_grads(mla_model(q_lora_rank))
     assert torch.allclose(got["logits"], logits, rtol=TOLERANCE, atol=TOLERANCE)
     assert got["grads"].keys() == grads.keys()
     norm = torch.stack([g.norm() for g in grads.values()]).norm()

@@ -7,8 +7,13 @@ import socket
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from conftest import BASE, assert_same_run, run_distributed
+from conftest import (
+    BASE,
+    assert_same_run,
+    logits_and_grads,
+    run_distributed,
+    with_biases_and_norms_drawn,
+)
 from torch.distributed.device_mesh import init_device_mesh
 
 from dtrain.config import ConfigError
@@ -78,25 +83,10 @@ QWEN_LIKE = LlamaArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_size=24,
 
 
 def qwen_like_model() -> Transformer:
-    """QWEN_LIKE initialised, then its biases and norm weights drawn away from 0 and 1 (the
-    same on every rank), so that a misplaced bias or norm weight changes the result."""
+    """QWEN_LIKE initialised, its biases and norm weights drawn (the same on every rank)."""
     model = Transformer(QWEN_LIKE)
     model.init_weights(seed=0)
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith(".bias") or "norm" in name:
-                param.copy_(0.5 + torch.rand(param.shape, generator=generator))
-    return model
-
-
-def qwen_like_step(model: Transformer) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Logits and gradients (gathered whole) of one forward and backward on a fixed batch."""
-    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(2))
-    logits = model(tokens)
-    F.cross_entropy(logits.flatten(0, 1), tokens.roll(-1, 1).flatten()).backward()
-    return logits.detach(), {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor")
-                                    else p.grad) for name, p in model.named_parameters()}
+    return with_biases_and_norms_drawn(model)
 
 
 def qwen_like_tp_worker(rank: int, port: int, out: str) -> None:
@@ -104,7 +94,7 @@ def qwen_like_tp_worker(rank: int, port: int, out: str) -> None:
                             world_size=2)
     model = qwen_like_model()
     apply_tp(model, init_device_mesh("cpu", (2,)), loss_parallel=False)
-    logits, grads = qwen_like_step(model)
+    logits, grads = logits_and_grads(model)
     if rank == 0:
         torch.save({"logits": logits, "grads": grads}, out)
     dist.destroy_process_group()
@@ -122,7 +112,7 @@ def test_tensor_parallel_of_head_size_biases_and_qk_norm_matches_one_process(tmp
     out = tmp_path / "tp.pt"
     torch.multiprocessing.spawn(qwen_like_tp_worker, args=(port, str(out)), nprocs=2)
     got = torch.load(out)
-    logits, grads = qwen_like_step(qwen_like_model())
+    logits, grads = logits_and_grads(qwen_like_model())
     assert torch.allclose(got["logits"], logits, rtol=1e-5, atol=1e-5)
     assert got["grads"].keys() == grads.keys()
     norm = torch.stack([g.norm() for g in grads.values()]).norm()
