@@ -27,10 +27,12 @@ from dtrain.lr_schedule import LRSchedule
 from dtrain.metrics import model_flops_per_token
 from dtrain.model_shape import describe_shape, model_args_of
 from dtrain.models import Transformer
+from dtrain.mtp import with_mtp
 from dtrain.optim import build_optimizer
-from dtrain.parallel import ParallelDims, describe_parallelize, parallelize
+from dtrain.parallel import ParallelDims, describe_parallelize, inductor_options, parallelize
 from dtrain.parallel.fp8 import convert_to_fp8, fp8_all_gather, fuse_fp8_weight_cast
 from dtrain.parallel.pipeline import parse_layout, split_model, stages_of_rank
+from dtrain.step import cross_entropy_sum, fused_cross_entropy_sum
 
 
 def local_device(device_kind: str) -> torch.device:
@@ -165,6 +167,25 @@ def build_model(cfg: Config, dims: ParallelDims, mesh: DeviceMesh | None, device
                                      cfg.fp8, fp8_layers, all_gather)
     return BuiltModel(parts, stage_indices, num_stages, num_params, flops, dtype, fp8_layers,
                       all_gather, features)
+
+
+def build_loss(cfg: Config, dims: ParallelDims, device: torch.device, args,
+               tokens_per_step: int, groups: list[dist.ProcessGroup]):
+    """The run's summed token loss ``(logits, labels) -> loss``: dtrain's fused kernel on CUDA,
+    else PyTorch's (compiled under compile); with loss parallel (vocabulary-sharded logits
+    under tensor parallel) PyTorch's, uncompiled. With multi-token prediction depths in the
+    model ``args`` describes, the depths' losses join its gradient (``dtrain.mtp``; ``groups``:
+    the ranks whose losses add up to a step's)."""
+    sharded_loss = dims.tp > 1 and cfg.parallel.loss_parallel
+    if cfg.model.triton_kernels and device.type == "cuda" and not sharded_loss:
+        loss_fn = fused_cross_entropy_sum
+    elif cfg.compile.enabled and not sharded_loss:
+        loss_fn = torch.compile(cross_entropy_sum, options=inductor_options(
+            False, cfg.compile.tune_kernels) or None)
+    else:
+        loss_fn = cross_entropy_sum
+    return with_mtp(loss_fn, args.mtp_depths, args.mtp_loss_weight, tokens_per_step, groups,
+                    device)
 
 
 def build_optimizer_and_schedule(cfg: Config, parts: list[torch.nn.Module], device_type: str

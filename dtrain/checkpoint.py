@@ -76,7 +76,7 @@ def whole_model_view(parts: list[nn.Module]) -> nn.Module:
         return parts[0]
     view = nn.Module()
     view.layers = nn.ModuleDict({k: v for part in parts for k, v in part.layers.items()})
-    for name in ("tok_embeddings", "norm", "output"):
+    for name in ("tok_embeddings", "norm", "output", "mtp"):
         module = next((getattr(p, name) for p in parts if getattr(p, name) is not None), None)
         if module is not None:
             setattr(view, name, module)

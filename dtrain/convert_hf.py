@@ -1,5 +1,5 @@
 """Hugging Face model folders <-> dtrain checkpoints (LLaMA, Mistral, Mixtral, Qwen2, Qwen3,
-Qwen3-MoE).
+Qwen3-MoE, DeepSeek-V3 with its multi-token-prediction layers).
 
     python -m dtrain.convert_hf import HF_FOLDER OUT
         OUT: a model-only checkpoint, and OUT/recipe.toml that trains from it as it is:
@@ -30,7 +30,7 @@ from dtrain.checkpoint import checkpoint_folder, checkpoint_steps
 from dtrain.config import Config, ConfigError, load_config
 from dtrain.config.sections import TrainingConfig, toml_value
 from dtrain.data.tokenizer import Tokenizer, padded_vocab_size
-from dtrain.hf_checkpoint import export_hf, import_hf, load_model
+from dtrain.hf_checkpoint import args_from_hf_config, export_hf, import_hf, load_model
 from dtrain.model_shape import model_args_of
 from dtrain.models import model_args
 from dtrain.models.llama import LlamaArgs, RopeScaling
@@ -43,9 +43,11 @@ HOW_FIELDS = {"vocab_size", "attention_backend", "rope_kernel", "moe_capacity_fa
 def write_recipe(hf_folder: Path, out: Path, args: LlamaArgs) -> Path:
     """``out/recipe.toml``: a run that starts from the checkpoint ``out`` imported from
     ``hf_folder`` (shape from ``out/hf_config.json``, a copy of its config.json; tokenizer from
-    the folder where it has one). Returns the recipe's path."""
+    the folder where it has one; no multi-token prediction where the checkpoint held none of its
+    layers). Returns the recipe's path."""
     hf_folder, out = hf_folder.resolve(), out.resolve()
     shutil.copyfile(hf_folder / "config.json", out / "hf_config.json")
+    configured = args_from_hf_config(json.loads((out / "hf_config.json").read_text()))
     has_tokenizer = (hf_folder / "tokenizer.json").is_file() or (
         (hf_folder / "vocab.json").is_file() and (hf_folder / "merges.txt").is_file())
     seq_len = TrainingConfig().seq_len
@@ -54,7 +56,11 @@ def write_recipe(hf_folder: Path, out: Path, args: LlamaArgs) -> Path:
              "# Every key not set here keeps dtrain's default (python -m dtrain.train --help);",
              "# data.path is the small shipped corpus until set to yours.", "",
              "[job]", f"name = {toml_value(hf_folder.name)}", "",
-             "[model]", f"hf_config = {toml_value(str(out / 'hf_config.json'))}", ""]
+             "[model]", f"hf_config = {toml_value(str(out / 'hf_config.json'))}"]
+    if args.mtp_depths != configured.mtp_depths:
+        lines += [f"# config.json has {configured.mtp_depths} multi-token-prediction layers, "
+                  "the checkpoint's weights none:", f"mtp_depths = {args.mtp_depths}"]
+    lines += [""]
     if args.max_seq_len < seq_len:
         lines += ["[training]", f"seq_len = {args.max_seq_len}  # the model's longest sequence", ""]
     lines += ["[data]"]
@@ -249,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "import":
             shape = import_hf(args.hf_folder, args.out)
             recipe = write_recipe(Path(args.hf_folder), Path(args.out), shape)
-            print(f"imported {shape.n_layers} layers, dim {shape.dim} -> {args.out}\n"
+            depths = f" and {shape.mtp_depths} MTP depths" if shape.mtp_depths else ""
+            print(f"imported {shape.n_layers} layers{depths}, dim {shape.dim} -> {args.out}\n"
                   f"train from it: python -m dtrain.train --recipe {recipe}")
         else:
             source = export_source(Path(args.checkpoint), args.step, args.model, args.n_layers)

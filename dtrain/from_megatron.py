@@ -58,6 +58,8 @@ DIRECT: dict[str, tuple[str, Callable]] = {
     "--qk-head-dim": ("model.qk_nope_head_dim", int),
     "--qk-pos-emb-head-dim": ("model.qk_rope_head_dim", int),
     "--v-head-dim": ("model.v_head_dim", int),
+    "--mtp-num-layers": ("model.mtp_depths", int),
+    "--mtp-loss-scaling-factor": ("model.mtp_loss_weight", float),
     "--tensor-model-parallel-size": ("parallel.tp", int),
     "--pipeline-model-parallel-size": ("parallel.pp", int),
     "--context-parallel-size": ("parallel.cp", int),
@@ -124,8 +126,6 @@ MEGATRON_DEFAULTS: dict[str, object] = {
 REQUIRED_VALUES = {
     "--normalization": ("RMSNorm", "dtrain's blocks use RMSNorm"),
     "--position-embedding-type": ("rope", "dtrain's attention uses RoPE"),
-    "--moe-router-load-balancing-type": ("aux_loss", "dtrain's load-balancing loss is "
-                                                     "Switch's (aux_loss), or none"),
 }
 ZERO_OR_UNSUPPORTED = {"--attention-dropout": "dropout", "--hidden-dropout": "dropout"}
 
@@ -145,8 +145,14 @@ def _schedule(flag: str, value: str, out: Translation) -> bool:
             f"{flag} {value}" + ("" if value == expected else f": {why}"))
     elif flag == "--moe-router-score-function":
         keys["model.moe_router"] = value
-    elif flag == "--moe-router-load-balancing-type" and value == "none":
-        keys["model.moe_aux_loss_coeff"] = 0.0
+    elif flag == "--moe-router-load-balancing-type":
+        if value == "none":
+            keys["model.moe_aux_loss_coeff"] = 0.0
+        elif value in ("aux_loss", "seq_aux_loss"):
+            keys["model.moe_aux_loss_type"] = value
+        else:
+            out.unmapped.append(f"{flag} {value}: dtrain's load-balancing losses are aux_loss "
+                                "and seq_aux_loss (model.moe_aux_loss_type), or none")
     elif flag == "--moe-layer-freq":
         _moe_layer_freq(value, out)
     elif flag == "--adam-beta1" or flag == "--adam-beta2":

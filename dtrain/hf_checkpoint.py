@@ -1,5 +1,5 @@
-"""Hugging Face checkpoints of LLaMA, Mistral, Mixtral, Qwen2, Qwen3 and Qwen3-MoE <-> dtrain
-weights.
+"""Hugging Face checkpoints of LLaMA, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE and DeepSeek-V3
+<-> dtrain weights.
 
 HF stores a model as safetensors (one file, or shards with ``model.safetensors.index.json``)
 beside ``config.json``, whose mapping to ``LlamaArgs`` is ``dtrain.hf_config``'s. Names map one to
@@ -14,7 +14,8 @@ Qwen3-MoE's, as transformers 5 still saves them (its models hold them fused in m
 ``mlp.experts.gate_up_proj`` / ``down_proj``, and that layout is read too): they are stacked into
 dtrain's ``[n_experts, ...]`` parameters, and the router is ``block_sparse_moe.gate`` or
 ``mlp.gate``. Qwen3-MoE's dense blocks keep Qwen3's ``mlp.gate_proj`` / ``up_proj`` /
-``down_proj``.
+``down_proj``. DeepSeek-V3's names, rotary layout and multi-token-prediction layers are
+``dtrain.hf_deepseek``'s; its experts are laid out as Qwen3-MoE's.
 
 ``import_hf`` writes a model-only DCP checkpoint that a run starts from with
 ``checkpoint.initial_weights``, under any parallel layout; ``export_hf`` turns a dtrain
@@ -30,8 +31,10 @@ from pathlib import Path
 
 import torch
 
+from dtrain import hf_deepseek
 from dtrain.config import ConfigError
 from dtrain.hf_config import (
+    DEEPSEEK_V3,
     MIXTRAL,
     args_from_hf_config,
     hf_architecture_of,
@@ -77,9 +80,14 @@ def _to_half_split(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.unflatten(0, (heads, -1, 2)).transpose(1, 2).reshape(w.shape)
 
 
-def from_hf_state_dict(hf: dict[str, torch.Tensor], args: LlamaArgs) -> dict[str, torch.Tensor]:
+def from_hf_state_dict(hf: dict[str, torch.Tensor], args: LlamaArgs,
+                       config: dict | None = None) -> dict[str, torch.Tensor]:
     """HF tensor names and layouts -> dtrain's: every tensor of ``Transformer(args)``'s state
-    dict, taken from ``hf``; raises ConfigError naming the first one ``hf`` lacks."""
+    dict, taken from ``hf``; ``config`` is the checkpoint's config.json (DeepSeek-V3's
+    ``rope_interleave``). Raises ConfigError naming the first tensor ``hf`` lacks."""
+    if args.attention == "mla":
+        return _from_deepseek(hf, args, (config or {}).get("rope_interleave", True))
+
     def convert(tensor: torch.Tensor, suffix: str) -> torch.Tensor:
         heads = _rotary_heads(suffix, args)
         return _to_interleaved(tensor, heads) if heads else tensor
@@ -88,19 +96,49 @@ def from_hf_state_dict(hf: dict[str, torch.Tensor], args: LlamaArgs) -> dict[str
         hf, args, _TOP_NAMES, _LAYER_NAMES,
         # an MoE layer's experts and router come from its experts' tensors
         skip=lambda suffix, i: suffix.startswith("feed_forward.") and args.is_moe_layer(i),
-        convert=convert, experts=lambda i: _experts_from_hf(hf, args, i))
+        convert=convert, experts=lambda block, i: _experts_from_hf(hf, args, block, i))
+
+
+def _from_deepseek(hf: dict[str, torch.Tensor], args: LlamaArgs,
+                   rope_interleave: bool) -> dict[str, torch.Tensor]:
+    """``from_hf_state_dict`` of a DeepSeek-V3 checkpoint (``dtrain.hf_deepseek``), its MTP
+    layers' copies of the embedding and output layer checked first."""
+    hf_deepseek.check_mtp_copies(hf, args)
+
+    def convert(tensor: torch.Tensor, suffix: str) -> torch.Tensor:
+        return tensor if rope_interleave else hf_deepseek.interleave_rotary_rows(tensor, suffix,
+                                                                                 args)
+
+    return state_dict_from_hf(
+        hf, args, hf_deepseek.top_names(args), hf_deepseek.LAYER_NAMES,
+        skip=lambda suffix, i: suffix.startswith(("feed_forward.experts.",
+                                                  "feed_forward.router.gate.")),
+        convert=convert, experts=lambda block, i: _experts_from_hf(hf, args, block, i),
+        model="DeepSeek-V3 model")
+
+
+def split_block(name: str, n_layers: int) -> tuple[str, int, str]:
+    """A block tensor's dtrain name -> (the block, its index among the checkpoint's
+    ``model.layers``, the name inside the block): ``layers.<i>.<suffix>`` is block i,
+    ``mtp.<k>.block.<suffix>`` (multi-token-prediction depth k's block) ``n_layers + k``, where
+    DeepSeek-V3's checkpoints keep it."""
+    parts = name.split(".")
+    if parts[0] == "mtp":
+        return ".".join(parts[:3]), n_layers + int(parts[1]), ".".join(parts[3:])
+    return ".".join(parts[:2]), int(parts[1]), ".".join(parts[2:])
 
 
 def state_dict_from_hf(hf: dict[str, torch.Tensor], args: LlamaArgs, top_names: dict[str, str],
                        layer_names: dict[str, str], skip: Callable[[str, int], bool],
                        convert: Callable[[torch.Tensor, str], torch.Tensor],
-                       experts: Callable[[int], dict[str, torch.Tensor]],
+                       experts: Callable[[str, int], dict[str, torch.Tensor]],
                        model: str = "model") -> dict[str, torch.Tensor]:
-    """Every tensor of ``Transformer(args)``'s state dict from an HF checkpoint ``hf``: a
-    top-level name through ``top_names``, a block's through ``layer_names`` (dtrain suffix ->
-    HF suffix inside ``model.layers.<i>.``) unless ``skip(suffix, i)``, each passed through
-    ``convert(tensor, suffix)``; each MoE block's stacked experts from ``experts(i)``; the tied
-    output layer as the embedding. Raises ConfigError naming the first tensor ``hf`` lacks."""
+    """Every tensor of ``Transformer(args)``'s state dict from an HF checkpoint ``hf``: a name
+    outside the blocks through ``top_names``, a block's through ``layer_names`` (dtrain suffix
+    -> HF suffix inside ``model.layers.<i>.``, ``split_block``) unless ``skip(suffix, i)``, each
+    passed through ``convert(tensor, suffix)``; each MoE block's stacked experts from
+    ``experts(block, i)``; the tied output layer as the embedding. Raises ConfigError naming the
+    first tensor ``hf`` lacks."""
     with torch.device("meta"):
         names = list(Transformer(args).state_dict())
     out = {}
@@ -110,14 +148,14 @@ def state_dict_from_hf(hf: dict[str, torch.Tensor], args: LlamaArgs, top_names: 
         if name in top_names:
             key, suffix = top_names[name], ""
         else:
-            _, i, suffix = name.split(".", 2)
-            if skip(suffix, int(i)):
+            _, i, suffix = split_block(name, args.n_layers)
+            if skip(suffix, i):
                 continue
             key = f"model.layers.{i}.{layer_names[suffix]}"
         out[name] = convert(hf_tensor(hf, key, model), suffix)
-    for i in range(args.n_layers):
-        if args.is_moe_layer(i):
-            out.update(experts(i))
+    for name in names:
+        if name.endswith(".feed_forward.experts.w1"):
+            out.update(experts(*split_block(name, args.n_layers)[:2]))
     if args.tie_embeddings:  # one tensor under both names, as the tied model's state_dict has
         out["output.weight"] = out["tok_embeddings.weight"]
     return out
@@ -131,11 +169,12 @@ def hf_tensor(hf: dict[str, torch.Tensor], key: str, model: str = "model") -> to
     return hf[key]
 
 
-def _experts_from_hf(hf: dict[str, torch.Tensor], args: LlamaArgs,
+def _experts_from_hf(hf: dict[str, torch.Tensor], args: LlamaArgs, block: str,
                      i: int) -> dict[str, torch.Tensor]:
-    """Layer ``i``'s router and stacked experts from Mixtral's or Qwen3-MoE's per-expert
-    tensors, or from transformers 5's fused ones."""
-    ours, fused = f"layers.{i}.feed_forward", f"model.layers.{i}.mlp"
+    """The router and stacked experts of dtrain's ``block`` from the checkpoint's layer ``i``:
+    Mixtral's or Qwen3-MoE's (and DeepSeek-V3's) per-expert tensors, or transformers 5's fused
+    ones."""
+    ours, fused = f"{block}.feed_forward", f"model.layers.{i}.mlp"
     out = {}
     if f"{fused}.experts.gate_up_proj" in hf:  # transformers 5 in memory
         gate_up, hidden = hf[f"{fused}.experts.gate_up_proj"], args.expert_dim
@@ -161,36 +200,55 @@ def _experts_from_hf(hf: dict[str, torch.Tensor], args: LlamaArgs,
 
 
 def to_hf_state_dict(ours: dict[str, torch.Tensor], args: LlamaArgs) -> dict[str, torch.Tensor]:
-    """dtrain tensor names and layouts -> HF's (the experts one tensor each, named as the
-    architecture ``hf_architecture_of`` picks names them; no ``lm_head.weight`` where the
-    embeddings are tied)."""
-    block, names = _MIXTRAL_EXPERTS
-    if args.n_experts and hf_architecture_of(args) != MIXTRAL:
-        block, names = _QWEN3_MOE_EXPERTS
+    """dtrain tensor names and layouts -> HF's, for the architecture ``hf_architecture_of``
+    picks (the experts one tensor each; no ``lm_head.weight`` where the embeddings are tied;
+    DeepSeek-V3's MTP layers with their copies of the embedding and output layer)."""
+    arch = hf_architecture_of(args)
+    layout = _MIXTRAL_EXPERTS if arch == MIXTRAL else _QWEN3_MOE_EXPERTS
+    if arch == DEEPSEEK_V3:  # its rotary rows as they are: rope_interleave
+        out = state_dict_to_hf(ours, args, hf_deepseek.top_names(args), hf_deepseek.LAYER_NAMES,
+                               layout, lambda tensor, suffix: tensor)
+        return {**out, **hf_deepseek.mtp_copies(ours, args)}
+
+    def convert(tensor: torch.Tensor, suffix: str) -> torch.Tensor:
+        heads = _rotary_heads(suffix, args)
+        return _to_half_split(tensor, heads) if heads else tensor
+
+    return state_dict_to_hf(ours, args, _TOP_NAMES, _LAYER_NAMES, layout, convert)
+
+
+def state_dict_to_hf(ours: dict[str, torch.Tensor], args: LlamaArgs, top_names: dict[str, str],
+                     layer_names: dict[str, str], experts: tuple[str, dict[str, str]],
+                     convert: Callable[[torch.Tensor, str], torch.Tensor]
+                     ) -> dict[str, torch.Tensor]:
+    """The inverse of ``state_dict_from_hf``: each tensor of dtrain's state dict ``ours`` under
+    its HF name (``top_names``, else ``layer_names`` inside ``model.layers.<i>.``, i as
+    ``split_block`` gives it), a block's passed through ``convert(tensor, suffix)``; an MoE
+    block's router and its experts one tensor each, laid out as ``experts`` (the module holding
+    them, and each expert's names of w1, w2, w3); no ``lm_head.weight`` when tied."""
+    module, names = experts
     out = {}
     for name, tensor in ours.items():
-        if name in _TOP_NAMES:
+        if name in top_names:
             if not (name == "output.weight" and args.tie_embeddings):
-                out[_TOP_NAMES[name]] = tensor
+                out[top_names[name]] = tensor
             continue
-        _, i, suffix = name.split(".", 2)
-        moe = f"model.layers.{i}.{block}"
+        _, i, suffix = split_block(name, args.n_layers)
+        moe = f"model.layers.{i}.{module}"
         if suffix == "feed_forward.router.gate.weight":
             out[f"{moe}.gate.weight"] = tensor
-            continue
-        if suffix.startswith("feed_forward.experts."):
+        elif suffix.startswith("feed_forward.experts."):
             theirs = names[suffix.rsplit(".", 1)[1]]
             for e in range(tensor.shape[0]):
                 out[f"{moe}.experts.{e}.{theirs}.weight"] = tensor[e].contiguous()
-            continue
-        heads = _rotary_heads(suffix, args)
-        out[f"model.layers.{i}.{_LAYER_NAMES[suffix]}"] = (
-            _to_half_split(tensor, heads) if heads else tensor)
+        else:
+            out[f"model.layers.{i}.{layer_names[suffix]}"] = convert(tensor, suffix)
     return out
 
 
-def read_hf(folder: str | Path) -> tuple[LlamaArgs, dict[str, torch.Tensor]]:
-    """``config.json`` and every safetensors shard of an HF model folder."""
+def read_hf(folder: str | Path) -> tuple[dict, LlamaArgs, dict[str, torch.Tensor]]:
+    """``config.json`` (a dict), its shape (a config dtrain does not convert fails before the
+    weights load) and every safetensors shard of an HF model folder."""
     from safetensors.torch import load_file
 
     folder = Path(folder)
@@ -198,7 +256,8 @@ def read_hf(folder: str | Path) -> tuple[LlamaArgs, dict[str, torch.Tensor]]:
     if not config_file.is_file():
         raise ConfigError(f"{config_file} not found: give the folder of an HF model "
                           "(config.json and model*.safetensors)")
-    args = args_from_hf_config(json.loads(config_file.read_text()))
+    config = json.loads(config_file.read_text())
+    args = args_from_hf_config(config)
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -217,20 +276,23 @@ def read_hf(folder: str | Path) -> tuple[LlamaArgs, dict[str, torch.Tensor]]:
         except Exception as e:  # safetensors reports truncation as several error types
             raise ConfigError(f"{path} cannot be read ({e}): the file is damaged; copy it "
                               "again") from None
-    return args, tensors
+    return config, args, tensors
 
 
 def import_hf(hf_folder: str | Path, out: str | Path) -> LlamaArgs:
     """Converts an HF model folder into a model-only dtrain checkpoint (DCP) at ``out`` and
-    writes ``out/model_args.json``; returns the model's shape."""
+    writes ``out/model_args.json``; returns the model's shape (DeepSeek-V3's without MTP depths
+    where the checkpoint holds none of their layers)."""
     import dataclasses
 
     import torch.distributed.checkpoint as dcp
 
     from dtrain.checkpoint_files import hashing_writer, write_hashes
 
-    args, hf = read_hf(hf_folder)
-    state = from_hf_state_dict(hf, args)
+    config, args, hf = read_hf(hf_folder)
+    if args.attention == "mla":
+        args = hf_deepseek.mtp_held(hf, args)
+    state = from_hf_state_dict(hf, args, config)
     with torch.device("meta"):
         expected = Transformer(args).state_dict()
     for name, tensor in expected.items():
@@ -275,7 +337,10 @@ def export_hf(model: Transformer, out: str | Path, dtype: torch.dtype = torch.bf
     config = hf_config_from_args(model.args)  # first: a shape HF has no class for fails here
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    ours = {canonical_name(k): v.detach().to("cpu", dtype).contiguous()
+    # The router's expert bias stays fp32, as DeepSeek-V3's checkpoints and transformers keep
+    # it: rounded, it would change which experts tokens take.
+    ours = {canonical_name(k): v.detach().to("cpu", torch.float32 if k.endswith("expert_bias")
+                                             else dtype).contiguous()
             for k, v in model.state_dict().items()}
     save_file(to_hf_state_dict(ours, model.args), str(out / "model.safetensors"),
               metadata={"format": "pt"})

@@ -2,8 +2,8 @@
 
 Conventions (torchtitan's, so figures compare directly): tokens/s per GPU = tokens in the step /
 step time / number of GPUs; FLOPs per token = 6 x non-embedding parameters (active parameters for
-MoE) + 12 x layers x heads x head_dim x seq_len; MFU against the dense bf16 peak of the device,
-also for FP8 runs.
+MoE) + 12 x layers x heads x head_dim x seq_len (6 x heads x (qk + v head widths) where they
+differ, as in MLA); MFU against the dense bf16 peak of the device, also for FP8 runs.
 """
 
 from __future__ import annotations
@@ -46,20 +46,31 @@ def peak_tflops(device: torch.device, override: float = 0.0) -> float | None:
 
 
 def flops_per_token(num_params: int, n_layers: int, n_heads: int, head_dim: int,
-                    seq_len: int) -> int:
+                    seq_len: int, v_head_dim: int | None = None) -> int:
     """Training FLOPs per token: 6N for the matmuls over weights (forward 2N, backward 4N)
-    and 12 L H d T for attention scores and values (causal masking not discounted)."""
-    return 6 * num_params + 12 * n_layers * n_heads * head_dim * seq_len
+    and 6 L H (d + d_v) T for attention scores and values (causal masking not discounted):
+    12 L H d T where the value heads are as wide as the query/key heads (``v_head_dim`` None),
+    as they are not in DeepSeek's latent attention."""
+    v_head_dim = head_dim if v_head_dim is None else v_head_dim
+    return 6 * num_params + 6 * n_layers * n_heads * (head_dim + v_head_dim) * seq_len
 
 
 def model_flops_per_token(model: Transformer, seq_len: int) -> int:
     """``flops_per_token`` for a whole (unsharded, possibly meta) model: the parameters of its
-    modules as built (any head width, biases, the dense blocks of an MoE model whole), the
-    routed experts of MoE blocks by the share a token uses (top_k of n_experts), and attention
-    scores and values over n_heads x head_dim."""
+    modules as built (any head width, biases, the dense blocks of an MoE model whole, the
+    multi-token prediction depths), the routed experts of MoE blocks by the share a token uses
+    (top_k of n_experts), the output layer once more for each MTP depth (each depth's logits
+    come from it), and attention scores and values in every block (the depths' too) over
+    n_heads x the query/key and value head widths (MLA's qk_nope + qk_rope and v_head_dim)."""
     args = model.args
-    return flops_per_token(model.num_params(exclude_embedding=True, active=True), args.n_layers,
-                           args.n_heads, args.head_dim, seq_len)
+    depths = len(model.mtp) if model.mtp is not None else 0
+    params = model.num_params(exclude_embedding=True, active=True)
+    params += depths * args.vocab_size * args.dim
+    if args.attention == "mla":
+        qk, v = args.qk_nope_head_dim + args.qk_rope_head_dim, args.v_head_dim
+    else:
+        qk = v = args.head_dim
+    return flops_per_token(params, args.n_layers + depths, args.n_heads, qk, seq_len, v)
 
 
 def mfu(tokens_per_second_per_device: float, flops_per_token_: int, peak: float) -> float:
@@ -199,6 +210,8 @@ class MetricsLogger:
                  f"{r['tflops_per_device']:.1f} TFLOP/s"]
         if "mfu_percent" in r:
             parts.append(f"MFU {r['mfu_percent']:.1f}%")
+        if "mtp_loss" in r:
+            parts.append(f"mtp {r['mtp_loss']:.4f}")
         if "aux_loss" in r:
             parts.append(f"aux {r['aux_loss']:.3f} z {r['z_loss']:.2f} "
                          f"imbalance {r['moe_load_imbalance']:.2f}")

@@ -26,7 +26,7 @@ SHAPE_KEYS = ("hidden_size", "n_heads", "n_kv_heads", "head_dim", "ffn_hidden_si
               "tie_embeddings", "qkv_bias", "out_bias", "qk_norm", "n_experts", "moe_top_k",
               "moe_hidden_size", "moe_shared_hidden", "moe_n_group", "moe_topk_group",
               "moe_routed_scale", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-              "v_head_dim")
+              "v_head_dim", "mtp_depths", "mtp_loss_weight")
 # The published defaults of each scaling, where neither the key nor the base shape sets one.
 ROPE_DEFAULTS = {"llama3": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                             "original_max_seq_len": 8192},
@@ -60,11 +60,6 @@ def base_args(cfg: ModelConfig) -> LlamaArgs:
     except ValueError as e:
         raise ConfigError(f"model.hf_config: {file} is not valid JSON ({e})") from None
     try:
-        if "DeepseekV3ForCausalLM" in (config.get("architectures") or []) \
-                or config.get("model_type") == "deepseek_v3":
-            from dtrain.hf_deepseek import deepseek_v3_args
-
-            return deepseek_v3_args(config)
         return args_from_hf_config(config)
     except (KeyError, ValueError) as e:
         raise ConfigError(f"model.hf_config: {file}: {e}") from None
@@ -80,6 +75,8 @@ def moe_overrides(cfg: ModelConfig) -> dict[str, object]:
         fields["moe_z_loss_coeff"] = cfg.moe_z_loss_coeff
     if cfg.moe_router != "preset":
         fields["moe_router"] = cfg.moe_router
+    if cfg.moe_aux_loss_type != "preset":
+        fields["moe_aux_loss_type"] = cfg.moe_aux_loss_type
     return fields
 
 
@@ -143,6 +140,7 @@ def describe_shape(cfg: ModelConfig) -> str | None:
     keys += [key for key in ("n_layers", "vocab_size") if getattr(cfg, key)]
     keys += ["rope_scaling"] if cfg.rope_scaling != "preset" else []
     keys += ["attention"] if cfg.attention != "preset" else []
+    keys += ["moe_aux_loss_type"] if cfg.moe_aux_loss_type != "preset" else []
     keys += ["q_lora_rank"] if cfg.q_lora_rank is not None else []
     base = f"{cfg.hf_config} (model.hf_config)" if cfg.hf_config else f"preset {cfg.name}"
     if not keys and not cfg.hf_config:

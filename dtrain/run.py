@@ -19,6 +19,7 @@ import torch.distributed as dist
 from dtrain.build import (
     batch_arithmetic,
     build_loaders,
+    build_loss,
     build_model,
     build_optimizer_and_schedule,
     build_tokenizer,
@@ -30,7 +31,7 @@ from dtrain.build import (
 from dtrain.checkpoint import Checkpointer, load_model_weights, resumable
 from dtrain.checks import validate
 from dtrain.config import Config
-from dtrain.hooks import Hooks
+from dtrain.hooks import Hooks, StepHook
 from dtrain.log import logger, setup_logging
 from dtrain.metrics import MetricsLogger, StepMetrics
 from dtrain.nonfinite import NonFiniteSteps
@@ -44,18 +45,11 @@ from dtrain.parallel import (
     eager_fp8_warning,
     fp8_step_hooks,
     fsdp_units_on_gpu,
-    inductor_options,
     moe_layers,
 )
 from dtrain.preemption import Preemption, forget_preemption, stop_if_restarted_after_preemption
 from dtrain.run_folder import RunFolder
-from dtrain.step import (
-    Accumulation,
-    DeviceBatches,
-    cross_entropy_sum,
-    fused_cross_entropy_sum,
-    step_context,
-)
+from dtrain.step import Accumulation, DeviceBatches, step_context
 from dtrain.step_weights import StepPlan, step_weight_hooks
 from dtrain.validation import Validator
 from dtrain.watchdog import HangWatchdog, collective_timeout_s, nccl_debug_env
@@ -135,13 +129,9 @@ class Run:
         # With loss parallel the logits are vocabulary-sharded DTensors: the loss runs under
         # loss_parallel() and is left uncompiled.
         sharded_loss = dims.tp > 1 and cfg.parallel.loss_parallel
-        if cfg.model.triton_kernels and self.device.type == "cuda" and not sharded_loss:
-            self.loss_fn = fused_cross_entropy_sum
-        elif cfg.compile.enabled and not sharded_loss:
-            self.loss_fn = torch.compile(cross_entropy_sum, options=inductor_options(
-                False, cfg.compile.tune_kernels) or None)
-        else:
-            self.loss_fn = cross_entropy_sum
+        self.loss_fn = build_loss(cfg, dims, self.device, self.model.args, self.tokens_per_step,
+                                  [dims.mesh(n).get_group() for n in ("dp_cp", "pp")
+                                   if dims.mesh(n) is not None])
         self.context = step_context(self.device.type, self.compute_dtype, self.autocast,
                                     sharded_loss)
         # Each rank's gradient is averaged over dp x cp by FSDP (a cp rank's loss covers only its
@@ -155,7 +145,8 @@ class Run:
                 self.loss_fn, loss_scale=scale, context=self.context)
         self.forward_backward = self.pipeline or Accumulation(
             self.model, self.loss_fn, self.grad_accum, scale, self.context)
-        self.batches = DeviceBatches(self.loader, self.device, self.model.positions)
+        self.batches = DeviceBatches(self.loader, self.device, self.model.positions,
+                                     self.model.args.mtp_depths)
 
     def _build_training(self) -> None:
         cfg, tcfg = self.config, self.config.training
@@ -191,8 +182,10 @@ class Run:
         self.hooks = Hooks([
             self.nonfinite,
             self.checkpointer,
-            MoEStats(moe, args.n_layers, args.n_experts, groups, cfg.model.moe_bias_update_rate,
-                     skip_first=self.pipeline is not None) if moe else None,
+            self.loss_fn if isinstance(self.loss_fn, StepHook) else None,  # MTP's log
+            MoEStats(moe, args.n_layers + args.mtp_depths, args.n_experts, groups,
+                     cfg.model.moe_bias_update_rate)
+            if moe else None,
             *fp8_step_hooks(self.model_parts, cfg.fp8, self.dims.fsdp_enabled,
                             self.fp8_all_gather, overlap),
             *step_weight_hooks(self.model_parts, self._step_plan()),

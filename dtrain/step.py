@@ -21,6 +21,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from dtrain.dtensor import full
 from dtrain.kernels import cross_entropy as kernels
+from dtrain.models.mtp import mtp_columns
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -67,12 +68,15 @@ def step_context(device_type: str, dtype: torch.dtype, autocast: bool,
 
 
 class DeviceBatches:
-    """Micro-batches of a loader on ``device``, cut to this rank's tokens when ``positions``
-    (context parallel) is given; the seconds spent waiting for them are summed until
+    """Micro-batches of a loader on ``device``, with the columns of ``mtp_depths`` multi-token
+    prediction depths (``mtp_columns``), cut to this rank's tokens when ``positions`` (context
+    parallel) is given; the seconds spent waiting for them are summed until
     ``take_wait``."""
 
-    def __init__(self, loader, device: torch.device, positions: torch.Tensor | None):
+    def __init__(self, loader, device: torch.device, positions: torch.Tensor | None,
+                 mtp_depths: int = 0):
         self.loader, self.device, self.positions = loader, device, positions
+        self.mtp_depths = mtp_depths
         self.waited = 0.0
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,6 +85,7 @@ class DeviceBatches:
         self.waited += time.perf_counter() - start
         inputs = inputs.to(self.device, non_blocking=True)
         labels = labels.to(self.device, non_blocking=True)
+        inputs, labels = mtp_columns(inputs, labels, self.mtp_depths)
         if self.positions is None:
             return inputs, labels
         return inputs[:, self.positions], labels[:, self.positions]

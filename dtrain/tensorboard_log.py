@@ -24,7 +24,8 @@ from pathlib import Path
 
 # Each group's metrics.jsonl keys in reading order, one chart each; a tuple shares one chart.
 GROUPS: dict[str, tuple[str | tuple[str, ...], ...]] = {
-    "train": (("loss", "val_loss"), "grad_norm", "lr", "val_perplexity", "nonfinite_skipped"),
+    "train": (("loss", "val_loss"), "mtp_loss", "grad_norm", "lr", "val_perplexity",
+              "nonfinite_skipped"),
     "perf": ("tokens_per_second_per_device", "mfu_percent", "tflops_per_device", "step_time_s",
              "data_wait_percent", "eta_s"),
     "memory": (("peak_memory_gib", "peak_reserved_gib"), "alloc_retries"),

@@ -1,6 +1,7 @@
 """The dry run checks what a launch would: the inputs a launch opens (tokenizer, data files and
 indexes, held-out data, initial weights), each missing one the launch's own one-line error, and
-the predicted peak against a memory budget, naming the planner's layout when it is over."""
+the predicted peak against a memory budget, naming the planner's layout when it is over; the
+DeepSeek-V3 recipes at their world sizes."""
 
 import re
 from types import SimpleNamespace
@@ -8,9 +9,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from dtrain.config import load_config
 from dtrain.data.indexed import IndexedDatasetWriter
 from dtrain.plan.constants import H200
-from dtrain.plan.dry_run import Budget
+from dtrain.plan.dry_run import Budget, dry_run
 from dtrain.plan.memory import GIB
 from dtrain.train import main
 
@@ -173,3 +175,22 @@ def test_budget_options_without_the_dry_run_are_refused(capsys):
     assert error_line(capsys) == ("error: --gpu-memory-gb and --gpus-per-node are for the dry "
                                   "run: add --dry-run, or leave them out (training uses the "
                                   "GPUs it runs on)")
+
+
+# ---- the DeepSeek-V3 recipes at their world sizes ----------------------------------------
+
+# (recipe, world size, rank, holds the last stage): each first pipeline rank; Megatron's layout's
+# last rank (7 x 128) and DualPipeV's rank 0 hold the MTP depth and the output layer.
+DEEPSEEK = [("deepseek_v3_671b", 1024, 0, False), ("deepseek_v3_671b", 1024, 896, True),
+            ("deepseek_v3_671b_2048", 2048, 0, True), ("deepseek_v3_16b_8gpu", 8, 0, True),
+            ("deepseek_v3_16b", 1, 0, True)]
+
+
+@pytest.mark.parametrize("recipe,world,rank,last", DEEPSEEK)
+def test_a_deepseek_recipe_dry_runs_at_its_world_size_within_80gb(recipe, world, rank, last):
+    report = dry_run(load_config(recipe), world, rank, budget=Budget(80.0, "--gpu-memory-gb"))
+    assert (report.num_stages - 1 in report.stages) == last
+    # The memory model counts the rank's shards as the built stages hold them: MLA split and
+    # whole under TP, dense-first layers, the experts over EP, the MTP depth with the output.
+    assert report.local_params == pytest.approx(report.estimate.local_params, rel=1e-3)
+    assert not report.over_budget and report.peak_bytes < 80e9 * H200.usable_memory

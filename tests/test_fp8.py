@@ -100,9 +100,10 @@ def test_filter_defaults_to_the_output_layer_and_takes_a_list_from_the_cli(typed
     assert load_config(overrides=["--fp8.filter_fqns", "[]"]).fp8.filter_fqns == []
 
 
-def test_the_llama3_8b_recipe_puts_the_output_layer_in_fp8_and_the_larger_ones_keep_it():
-    assert load_config("llama3_8b").fp8.filter_fqns == []
-    for recipe in ("llama3_70b", "llama3_405b"):
+def test_every_llama3_recipe_keeps_the_output_layer_in_bf16():
+    # An FP8 output layer changes the numerics: a default only with held-out loss over several
+    # seeds and long runs, which the measured figures (one seed, 300 steps) are not.
+    for recipe in ("llama3_8b", "llama3_70b", "llama3_405b"):
         assert load_config(recipe).fp8.filter_fqns == ["output"], recipe
 
 
@@ -214,7 +215,7 @@ def test_fsdp_with_fp8_all_gather_trains_like_one_process(tmp_path):
     assert precomputed and unit_precomputed and output_precomputed
     assert losses == pytest.approx(reference, rel=2e-4)
     assert unitwise == losses
-    # The output layer in FP8 too (the Llama 3 8B recipe's default). Each rank scales its own
+    # The output layer in FP8 too (fp8.filter_fqns = []). Each rank scales its own
     # share of the logits' gradient, a larger tensor than any block's: measured 3.0e-4 relative
     # to one process by step 4, where that process and fp32 differ by 1.1e-3.
     output_reference, _ = fp8_runner.train(output_fp8=True)

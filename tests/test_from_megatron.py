@@ -137,8 +137,10 @@ def test_deepseek_v3_s_flags_map_onto_the_model_section():
                              "--qk-pos-emb-head-dim", "64", "--v-head-dim", "128",
                              "--moe-router-score-function", "sigmoid",
                              "--moe-router-num-groups", "8", "--moe-router-group-topk", "4",
-                             "--moe-router-topk-scaling-factor", "2.5"]))
+                             "--moe-router-topk-scaling-factor", "2.5",
+                             "--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "0.3"]))
     assert out.unmapped == []
+    assert (out.keys["model.mtp_depths"], out.keys["model.mtp_loss_weight"]) == (1, 0.3)
     assert {k: out.keys[k] for k in ("model.attention", "model.q_lora_rank", "model.kv_lora_rank",
                                      "model.qk_nope_head_dim", "model.qk_rope_head_dim",
                                      "model.v_head_dim", "model.moe_router", "model.moe_n_group",
@@ -147,3 +149,26 @@ def test_deepseek_v3_s_flags_map_onto_the_model_section():
         "model.qk_nope_head_dim": 128, "model.qk_rope_head_dim": 64, "model.v_head_dim": 128,
         "model.moe_router": "sigmoid", "model.moe_n_group": 8, "model.moe_topk_group": 4,
         "model.moe_routed_scale": 2.5}
+
+
+@pytest.mark.parametrize("value, keys, unmapped", [
+    ("seq_aux_loss", {"model.moe_aux_loss_type": "seq_aux_loss"}, []),
+    ("aux_loss", {"model.moe_aux_loss_type": "aux_loss"}, []),
+    ("none", {"model.moe_aux_loss_coeff": 0.0}, []),
+    ("sinkhorn", {}, ["--moe-router-load-balancing-type sinkhorn: dtrain's load-balancing "
+                      "losses are aux_loss and seq_aux_loss (model.moe_aux_loss_type), or none"]),
+], ids=["seq_aux_loss", "aux_loss", "none", "sinkhorn"])
+def test_the_load_balancing_type_maps_onto_moe_aux_loss_type(tmp_path, value, keys, unmapped):
+    from dtrain import load_config
+    from dtrain.from_megatron import recipe
+
+    out = translate(Command(["--num-experts", "8", "--moe-aux-loss-coeff", "0.001",
+                             "--moe-router-load-balancing-type", value]))
+    assert out.unmapped == unmapped
+    assert {k: out.keys[k] for k in keys} == keys
+    assert out.keys["model.moe_aux_loss_coeff"] == (0.0 if value == "none" else 0.001)
+    path = tmp_path / "recipe.toml"
+    path.write_text(recipe(out, "command line"))
+    # the recipe's key is the [model] section's; without one, Megatron's aux_loss is the default
+    expected = keys.get("model.moe_aux_loss_type", "preset")
+    assert load_config(path).model.moe_aux_loss_type == expected

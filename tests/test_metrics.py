@@ -68,3 +68,24 @@ def test_allocator_retries_are_shown_only_when_they_happen():
     assert "3 allocator retries" in line and "expandable_segments:True" in line
     assert line.endswith("50% ETA 0:01:05")
     assert alloc_retries(torch.device("cpu")) is None
+
+
+def test_flops_per_token_with_narrower_value_heads():
+    # Scores over the query/key width, values over the value width: 6 L H (d + d_v) T.
+    assert flops_per_token(1000, 2, 4, 8, 16, v_head_dim=4) == 6 * 1000 + 6 * 2 * 4 * 12 * 16
+
+
+def test_deepseek_v3_flops_count_mla_heads_the_mtp_depth_and_its_output_layer():
+    from dtrain.plan.blocks import model_flops_per_token as planned
+
+    model, seq = build("deepseek_v3_671b", device="meta"), 4096
+    # 128 heads of 128 + 64 query/key and 128 value channels, in the 61 layers and the depth.
+    attention = 6 * (61 + 1) * 128 * (192 + 128) * seq
+    # The depth's logits come from the output layer too: its 129,280 x 7,168 once more.
+    weights = model.num_params(exclude_embedding=True, active=True) + 129280 * 7168
+    assert model_flops_per_token(model, seq) == 6 * weights + attention
+    assert planned(model.args, seq) == model_flops_per_token(model, seq)  # the planner's
+    without_mtp = build("deepseek_v3_16b", device="meta")
+    assert model_flops_per_token(without_mtp, seq) == (
+        6 * without_mtp.num_params(exclude_embedding=True, active=True)
+        + 6 * 27 * 16 * (192 + 128) * seq)

@@ -2,6 +2,7 @@
 and CLI overrides (``load``). Each component receives only its own section (``cfg.model``,
 ``cfg.optimizer``, ...)."""
 
+from dtrain.config.fields import ConfigError
 from dtrain.config.load import (
     SECTIONS,
     check_ranges,
@@ -10,18 +11,17 @@ from dtrain.config.load import (
     help_text,
     load_config,
 )
+from dtrain.config.model import ModelConfig
 from dtrain.config.sections import (
     ActivationCheckpointConfig,
     CheckpointConfig,
     CompileConfig,
     Config,
-    ConfigError,
     DataConfig,
     FP8Config,
     JobConfig,
     LRScheduleConfig,
     MetricsConfig,
-    ModelConfig,
     OptimizerConfig,
     ParallelConfig,
     TrainingConfig,

@@ -20,7 +20,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
-from dtrain.config.sections import Config, ConfigError, FP8Config, finite, toml_value
+from dtrain.config.fields import ConfigError, finite
+from dtrain.config.sections import Config, FP8Config, toml_value
 
 SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(Config)}
 

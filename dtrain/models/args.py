@@ -58,6 +58,9 @@ class LlamaArgs:
     moe_n_group: int = 1
     moe_topk_group: int = 1
     moe_routed_scale: float = 1.0  # factor on the routed experts' weights (routed_scaling_factor)
+    # The load-balancing loss over each forward's tokens ("aux_loss", Switch's) or over each
+    # sequence's ("seq_aux_loss", DeepSeek-V3's complementary sequence-wise loss).
+    moe_aux_loss_type: str = "aux_loss"
     # Attention: "gqa" (grouped-query heads, ``Attention``) or "mla" (DeepSeek's multi-head
     # latent attention, ``dtrain.models.mla``); the fields below are MLA's and unused by "gqa".
     attention: str = "gqa"
@@ -66,17 +69,28 @@ class LlamaArgs:
     qk_nope_head_dim: int = 0  # each head's query/key channels without RoPE
     qk_rope_head_dim: int = 0  # each head's query/key channels with RoPE (the key's shared)
     v_head_dim: int = 0  # each head's value width
+    # Multi-token prediction (DeepSeek-V3, ``dtrain.models.mtp``): mtp_depths extra blocks, the
+    # k-th predicting the token k + 1 places past the next; their mean loss enters the gradient
+    # times mtp_loss_weight.
+    mtp_depths: int = 0
+    mtp_loss_weight: float = 0.1
 
     def __post_init__(self):
         if self.attention not in ("gqa", "mla"):
             raise ValueError(f"attention {self.attention!r}: use gqa or mla")
+        if self.moe_aux_loss_type not in ("aux_loss", "seq_aux_loss"):
+            raise ValueError(f"moe_aux_loss_type {self.moe_aux_loss_type!r}: use aux_loss or "
+                             "seq_aux_loss")
 
     @property
     def head_dim(self) -> int:
         return self.head_size or self.dim // self.n_heads
 
     def is_moe_layer(self, layer_id: int) -> bool:
-        """Whether block ``layer_id``'s feed-forward is the MoE (else ``FeedForward``)."""
+        """Whether block ``layer_id``'s feed-forward is the MoE (else ``FeedForward``). The
+        multi-token prediction depths' blocks (``n_layers`` on) are of the last block's kind."""
+        if layer_id >= self.n_layers:
+            layer_id = self.n_layers - 1
         return bool(self.n_experts) and (self.moe_layers is None or layer_id in self.moe_layers)
 
     @property

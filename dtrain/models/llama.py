@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -29,6 +30,7 @@ from dtrain.models.args import LlamaArgs
 from dtrain.models.feed_forward import FeedForward
 from dtrain.models.mla import LatentAttention
 from dtrain.models.moe import MoE, compute_dtype
+from dtrain.models.mtp import MTPDepth
 from dtrain.models.norm import RMSNorm
 from dtrain.models.rope import (
     RopeScaling,
@@ -144,7 +146,8 @@ class TransformerBlock(nn.Module):
                 args.moe_norm_topk, args.moe_shared_hidden, args.moe_capacity_factor,
                 args.moe_aux_loss_coeff, args.moe_z_loss_coeff, args.moe_gemm,
                 args.moe_aux_grad_scale, n_group=args.moe_n_group,
-                topk_group=args.moe_topk_group, routed_scale=args.moe_routed_scale)
+                topk_group=args.moe_topk_group, routed_scale=args.moe_routed_scale,
+                aux_loss_type=args.moe_aux_loss_type)
         else:
             self.feed_forward = FeedForward(args.dim, args.ffn_dim)
 
@@ -164,6 +167,11 @@ class Transformer(nn.Module):
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
+        # Multi-token prediction depths (dtrain.models.mtp); a pipeline keeps them with the
+        # output layer.
+        self.mtp: nn.ModuleDict | None = nn.ModuleDict({
+            str(k): MTPDepth(args, TransformerBlock(args.n_layers + k, args))
+            for k in range(args.mtp_depths)}) if args.mtp_depths else None
         self.register_buffer("rope", rope_cache(args.max_seq_len, args.rope_dim, args.rope_theta,
                                                 args.rope_scaling), persistent=False)
         # The positions a forward without ``positions`` uses (None: 0..seq-1): context parallel
@@ -174,7 +182,12 @@ class Transformer(nn.Module):
         """tokens (batch, seq) int64 -> logits (batch, seq, vocab); a pipeline stage without
         embeddings takes hidden states, one without ``output`` returns them. ``positions``
         (seq,) int64: the tokens' places in the whole sequence (context parallel holds parts of
-        it); None means 0..seq-1."""
+        it); None means 0..seq-1.
+
+        With multi-token prediction depths, tokens (batch, seq, 1 + depths) (``mtp_columns``)
+        give logits (batch x (1 + depths), seq, vocab): the model's, then each depth's; the
+        hidden states between stages are then (batch, seq, 1 + depths, dim), the depths'
+        embeddings carried along (``dtrain.models.mtp``)."""
         if self.tok_embeddings is not None:
             # The residual stream in the compute dtype: autocast leaves an embedding of fp32
             # weights in fp32 (FSDP's bf16 weights give bf16, as here).
@@ -182,12 +195,36 @@ class Transformer(nn.Module):
             h = h.to(compute_dtype(h))
         else:
             h = tokens
+        embedded = None
+        if h.dim() == 4:  # the MTP depths' embeddings ride along
+            h, embedded = h[:, :, 0], h[:, :, 1:]
         positions = self.positions if positions is None else positions
         rope = self.rope if positions is None else self.rope[positions]
         for layer in self.layers.values():
             h = layer(h, rope)
+        if self.output is None:
+            return h if embedded is None else torch.cat([h.unsqueeze(2), embedded], dim=2)
         h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h
+        if embedded is None or self.mtp is None:
+            return self.output(h)
+        hidden = [h]
+        for k, depth in enumerate(self.mtp.values()):
+            hidden.append(depth(hidden[-1], embedded[:, :, k], rope))
+        return self.output(torch.cat(hidden, dim=0))
+
+    def blocks(self) -> list[nn.Module]:
+        """Every transformer block of this model (part): the layers', then the MTP depths'."""
+        depths = list(self.mtp.values()) if self.mtp is not None else []
+        return [*self.layers.values(), *(depth.block for depth in depths)]
+
+    def wrap_blocks(self, wrap: Callable[[int, nn.Module], nn.Module]) -> None:
+        """Replaces each block, in ``blocks()``'s order, by ``wrap(its index, block)`` (how
+        activation checkpointing and compile wrap them)."""
+        layers = list(self.layers.items())
+        for i, (name, block) in enumerate(layers):
+            self.layers[name] = wrap(i, block)
+        for k, depth in enumerate(self.mtp.values() if self.mtp is not None else ()):
+            depth.block = wrap(len(layers) + k, depth.block)
 
     @torch.no_grad()
     def init_weights(self, seed: int, buffer_device: torch.device | None = None) -> None:
@@ -216,10 +253,13 @@ class Transformer(nn.Module):
                 init.normal_(param, 0.02 if args.tie_embeddings else 1.0, seed, name)
             elif leaf == "output":
                 init.normal_(param, args.dim ** -0.5, seed, name, cutoff=3.0)
-            elif leaf in ("wq", "wk", "wv", "wq_a", "wq_b", "wkv_a", "wkv_b", "w1", "gate"):
+            elif leaf in ("wq", "wk", "wv", "wq_a", "wq_b", "wkv_a", "wkv_b", "w1", "gate",
+                          "proj"):
                 init.normal_(param, 0.02, seed, name, cutoff=3.0)
             else:  # wo, w2, w3
                 layer_id = int(name.split(".")[1])
+                if name.startswith("mtp."):  # MTP depth k's block comes after the layers
+                    layer_id += args.n_layers
                 init.normal_(param, 0.02 / math.sqrt(2 * (layer_id + 1)), seed, name, cutoff=3.0)
         for module in self.modules():  # buffers that to_empty left uninitialised
             if isinstance(module, MoE):
@@ -227,13 +267,17 @@ class Transformer(nn.Module):
                 if module.router.score == "sigmoid":
                     module.router.expert_bias.zero_()
 
-    def num_params(self, exclude_embedding: bool = False, active: bool = False) -> int:
+    def num_params(self, exclude_embedding: bool = False, active: bool = False,
+                   mtp: bool = True) -> int:
         """Parameter count (shared weights once); with exclude_embedding, without the input
         embedding table unless it is tied to the output layer; with ``active``, counting the
         routed experts' weights by the share a token uses (top_k / n_experts); dense blocks, the
-        shared expert and the router count in full."""
+        shared expert and the router count in full; without ``mtp``, the MTP depths do not
+        count (published sizes leave them out)."""
         total = 0
         for name, p in self.named_parameters():
+            if not mtp and canonical_name(name).startswith("mtp."):
+                continue
             routed = active and ".experts." in canonical_name(name)
             total += p.numel() * self.args.moe_top_k // self.args.n_experts if routed \
                 else p.numel()

@@ -8,13 +8,15 @@ A token's hidden state goes to ``top_k`` of ``n_experts`` SwiGLU experts chosen 
   taken (the bias only steers the choice, aux-loss-free balancing) and their scores normalised;
   optionally within the best groups of experts only, and scaled (DeepSeek-V3's group-limited
   routing and ``routed_scaling_factor``, ``Router``).
-- Load-balancing loss (Switch/Megatron): ``E * sum_e f_e * P_e``, with ``f_e`` the share of the
-  k x T assignments that chose expert e and ``P_e`` the mean router score of e over the T tokens
-  (1.0 when perfectly balanced). Router z-loss (ST-MoE): the mean over tokens of
-  ``logsumexp(logits)^2``. Both are computed per forward (a micro-batch on one rank) and enter the
-  gradient through ``AuxLoss``: the forward output is unchanged, backward adds
-  ``coeff * grad_scale`` times their gradients, so the training loss reported stays the plain LM
-  loss.
+- Load-balancing loss (Switch/Megatron, ``aux_loss``): ``E * sum_e f_e * P_e``, with ``f_e`` the
+  share of the k x T assignments that chose expert e and ``P_e`` the mean router score of e over
+  the T tokens (1.0 when perfectly balanced). ``seq_aux_loss`` (DeepSeek-V3's complementary
+  sequence-wise loss, report eq. 17-20): the same over each sequence's tokens, ``f_e`` counting
+  the top k of the plain scores (no bias, no groups), averaged over the sequences as Megatron
+  does. Router z-loss (ST-MoE): the mean over tokens of ``logsumexp(logits)^2``. All are computed
+  per forward (a micro-batch on one rank) and enter the gradient through ``AuxLoss``: the forward
+  output is unchanged, backward adds ``coeff * grad_scale`` times their gradients, so the
+  training loss reported stays the plain LM loss.
 - Dropless by default; with ``capacity_factor > 0`` each expert takes at most
   ``ceil(capacity_factor * T * k / E)`` assignments, the earlier tokens first, and the rest are
   dropped (they contribute nothing from that expert; the residual stream carries them on).
@@ -202,15 +204,28 @@ def load_balancing_loss(scores: torch.Tensor, counts: torch.Tensor, top_k: int,
                         shards: int = 1) -> torch.Tensor:
     """Switch/Megatron auxiliary loss ``E * sum_e f_e P_e``: ``f_e = counts[e] / (T k)`` (counts
     of assignments before any drop), ``P_e`` the mean over tokens of ``scores[:, e]`` (scores
-    normalised per token for sigmoid routers). 1.0 when perfectly balanced.
+    normalised per token for sigmoid routers). 1.0 when perfectly balanced. ``scores`` (T, E)
+    with ``counts`` (E,); or (S, T, E) with (S, E): the loss of each of S sets of T tokens (the
+    sequences, ``seq_aux_loss``), averaged.
 
     With the tokens split into ``shards`` equal parts (sequence parallel), ``scores`` are this
     shard's and ``counts`` the sum over all shards: the mean of the shards' results is the loss
     of the whole set of tokens."""
-    tokens, n_experts = scores.shape
+    tokens, n_experts = scores.shape[-2:]
     probs = scores / scores.sum(dim=-1, keepdim=True)
     f = counts.to(probs.dtype) / (tokens * shards * top_k)
-    return n_experts * (f * probs.mean(0)).sum()
+    return n_experts * (f * probs.mean(-2)).sum(-1).mean()
+
+
+def sequence_counts(scores: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Per sequence, the tokens whose ``top_k`` highest ``scores`` include each expert:
+    scores (sequences, tokens, experts) -> (sequences, experts) int64. DeepSeek-V3's
+    ``1(s_it in Topk(s_jt, K))``: the plain scores of all experts, whatever bias or group
+    limit chose the token's experts."""
+    top = scores.topk(top_k, dim=-1).indices.flatten(1)
+    counts = torch.zeros(scores.shape[0], scores.shape[-1], dtype=torch.int64,
+                         device=scores.device)
+    return counts.scatter_add_(1, top, torch.ones_like(top))
 
 
 def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
@@ -245,8 +260,9 @@ class MoE(nn.Module):
                  norm_topk: bool = True, shared_hidden: int = 0, capacity_factor: float = 0.0,
                  aux_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0, gemm: str = "auto",
                  aux_grad_scale: float = 1.0, n_group: int = 1, topk_group: int = 1,
-                 routed_scale: float = 1.0):
+                 routed_scale: float = 1.0, aux_loss_type: str = "aux_loss"):
         super().__init__()
+        self.aux_loss_type = aux_loss_type
         self.n_experts, self.top_k = n_experts, top_k
         self.capacity_factor = capacity_factor
         self.aux_loss_coeff, self.z_loss_coeff = aux_loss_coeff, z_loss_coeff
@@ -254,8 +270,9 @@ class MoE(nn.Module):
         # averaged, as the LM loss is scaled (divided again by the sequence shards, below).
         self.aux_grad_scale = aux_grad_scale
         # Set from outside (dtrain.parallel) when a micro-batch's tokens are split over several
-        # ranks (sequence parallel): expert counts -> (their sum over those ranks, the number of
-        # ranks); the aux loss then uses the summed counts.
+        # ranks (sequence or context parallel): expert counts (of the forward, or of each
+        # sequence) -> (their sum over those ranks, the number of ranks); the aux loss then uses
+        # the summed counts.
         self.sum_over_shards: Callable[[torch.Tensor], tuple[torch.Tensor, int]] | None = None
         self.router = Router(dim, n_experts, top_k, score, norm_topk, n_group, topk_group,
                              routed_scale)
@@ -276,10 +293,7 @@ class MoE(nn.Module):
         expert = chosen.flatten()  # assignment i = token i // k, its (i % k)-th choice
         counts = torch.zeros(self.n_experts, dtype=torch.int64, device=x.device)
         counts.scatter_add_(0, expert, torch.ones_like(expert))
-        all_counts, shards = counts, 1
-        if self.sum_over_shards is not None:
-            all_counts, shards = self.sum_over_shards(counts)
-        aux = load_balancing_loss(scores, all_counts, k, shards)
+        aux, shards = self.balance_loss(scores, counts, shape[-2])  # x: (..., seq, dim)
         z = router_z_loss(logits)
         if torch.is_grad_enabled():  # training forwards only (not evaluation or shape probes)
             with torch.no_grad():
@@ -312,6 +326,21 @@ class MoE(nn.Module):
             # A sequence shard's losses are that share of the micro-batch's.
             combined = AuxLoss.apply(combined, loss, self.aux_grad_scale / shards)
         return combined.view(shape)
+
+    def balance_loss(self, scores: torch.Tensor, counts: torch.Tensor,
+                     seq_len: int) -> tuple[torch.Tensor, int]:
+        """The load-balancing loss of this forward's router ``scores`` (tokens, experts), its
+        tokens sequences of ``seq_len`` one after the other, and ``counts`` (experts,), the
+        assignments chosen; and the number of sequence shards (``sum_over_shards``) it is one
+        of. ``aux_loss``: over all the tokens, from ``counts``; ``seq_aux_loss``: over each
+        sequence, from its ``sequence_counts``, averaged."""
+        if self.aux_loss_type == "seq_aux_loss":
+            scores = scores.view(-1, seq_len, self.n_experts)
+            counts = sequence_counts(scores, self.top_k)
+        shards = 1
+        if self.sum_over_shards is not None:
+            counts, shards = self.sum_over_shards(counts)
+        return load_balancing_loss(scores, counts, self.top_k, shards), shards
 
     def reset_stats(self) -> None:
         self.tokens_per_expert.zero_()

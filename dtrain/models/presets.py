@@ -6,6 +6,12 @@ LLAMA31_SCALING = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=
                               original_max_seq_len=8192)
 LLAMA32_SCALING = RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
                               original_max_seq_len=8192)
+# DeepSeek's YaRN: 40 times a 4,096-token context; mscale and mscale_all_dim equal leave cos and
+# sin unscaled and put mscale(40)^2 on the softmax scale (dtrain.models.mla.softmax_scale).
+DEEPSEEK_V3_YARN = RopeScaling(kind="yarn", factor=40.0, original_max_seq_len=4096,
+                               beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)
+DEEPSEEK_V2_LITE_YARN = RopeScaling(kind="yarn", factor=40.0, original_max_seq_len=4096,
+                                    beta_fast=32.0, beta_slow=1.0, mscale=0.7, mscale_all_dim=0.7)
 
 PRESETS: dict[str, LlamaArgs] = {
     # Tiny, for CPU tests and the debug recipe (vocabulary of the shipped debug tokenizer).
@@ -65,4 +71,35 @@ PRESETS: dict[str, LlamaArgs] = {
                                  rope_theta=1000000.0, max_seq_len=40960, qk_norm=True,
                                  n_experts=128, moe_top_k=8, moe_hidden_size=1536,
                                  moe_norm_topk=True, moe_aux_loss_coeff=0.001),
+    # DeepSeek-V3 (deepseek-ai/DeepSeek-V3 config.json): multi-head latent attention (128 heads,
+    # queries through a 1,536-wide latent, keys and values from a 512-wide one, 128 + 64 rotary
+    # query/key channels, 128 value channels), 3 dense blocks of 18,432 then 58 MoE blocks of
+    # 256 routed experts (2,048 wide) and one shared expert; top 8 of a sigmoid router with
+    # expert bias, from the best 4 of 8 expert groups, weights normalised and scaled by 2.5;
+    # YaRN to 163,840 positions; untied; one multi-token-prediction depth. The balance loss is
+    # the report's complementary sequence-wise one at alpha 0.0001 (section 4.2).
+    # 671B parameters, 37B active per token (the MTP depth: 11.6B more).
+    "deepseek_v3_671b": LlamaArgs(
+        dim=7168, n_layers=61, n_heads=128, vocab_size=129280, ffn_hidden_size=18432,
+        norm_eps=1e-6, rope_theta=10000.0, rope_scaling=DEEPSEEK_V3_YARN, max_seq_len=163840,
+        attention="mla", q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, v_head_dim=128, n_experts=256, moe_layers=tuple(range(3, 61)),
+        moe_top_k=8, moe_hidden_size=2048, moe_router="sigmoid", moe_norm_topk=True,
+        moe_shared_hidden=2048, moe_n_group=8, moe_topk_group=4, moe_routed_scale=2.5,
+        moe_aux_loss_coeff=0.0001, moe_aux_loss_type="seq_aux_loss", mtp_depths=1),
+    # The DeepSeek-V3 16B of torchtitan (torchtitan/models/deepseek_v3/__init__.py, flavor
+    # "16B") and Megatron-Bridge: DeepSeek-V2-Lite's shape. MLA without a query latent (16
+    # heads), 1 dense block of 10,944 then 26 MoE blocks of 64 routed experts (1,408 wide) and
+    # two shared ones (one of 2,816), top 6 of a softmax router, weights not renormalised; YaRN
+    # with mscale 0.7 over torchtitan's 16,384 positions; vocabulary 102,400; no MTP. Balance
+    # loss: DeepSeek-V2-Lite's config.json (aux_loss_alpha 0.001, seq_aux).
+    # 15.7B parameters, 2.4B active per token (without the input embedding).
+    "deepseek_v3_16b": LlamaArgs(
+        dim=2048, n_layers=27, n_heads=16, vocab_size=102400, ffn_hidden_size=10944,
+        norm_eps=1e-6, rope_theta=10000.0, rope_scaling=DEEPSEEK_V2_LITE_YARN,
+        max_seq_len=16384, attention="mla", q_lora_rank=None, kv_lora_rank=512,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_experts=64,
+        moe_layers=tuple(range(1, 27)), moe_top_k=6, moe_hidden_size=1408,
+        moe_router="softmax", moe_norm_topk=False, moe_shared_hidden=2816,
+        moe_aux_loss_coeff=0.001, moe_aux_loss_type="seq_aux_loss"),
 }

@@ -11,7 +11,7 @@ from dtrain.parallel.activation_checkpoint import apply_activation_checkpointing
 from dtrain.parallel.compile import apply_compile, inductor_options
 from dtrain.parallel.context import apply_cp
 from dtrain.parallel.dims import ParallelDims
-from dtrain.parallel.expert import MoEStats, apply_ep, moe_layers
+from dtrain.parallel.expert import MoEStats, apply_ep, moe_layers, split_moe_losses
 from dtrain.parallel.fp8 import (
     UnitScales,
     describe_fp8,
@@ -51,6 +51,8 @@ def parallelize(model: Transformer, dims: ParallelDims, mesh: DeviceMesh | None,
         apply_ep(model, dims.mesh("ep"))
     if dims.cp > 1:
         apply_cp(model, dims.mesh("cp"), parallel.cp_comm_type, seq_len)
+    if dims.cp * dims.tp > 1:  # a micro-batch's tokens are split over the cp x tp ranks
+        split_moe_losses(model, dims.mesh("cp_tp").get_group(), dims.cp)
     apply_activation_checkpointing(model, ac)
     if compile.enabled:
         # MoE layers read their expert counts on the host (loop or all-to-all splits); TE's

@@ -11,6 +11,7 @@ from collections import defaultdict
 from functools import partial
 
 import torch
+from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
@@ -57,13 +58,17 @@ def op_context(every_second_mm: bool):
 
 
 def apply_activation_checkpointing(model: Transformer, cfg: ActivationCheckpointConfig) -> None:
-    """Wraps blocks of ``model.layers`` in place according to ``cfg.mode``."""
+    """Wraps the blocks of ``model`` (the multi-token prediction depths' too) in place
+    according to ``cfg.mode``."""
     if cfg.mode == "none":
         return
-    for i, (name, block) in enumerate(list(model.layers.items())):
+
+    def wrap(i: int, block: nn.Module) -> nn.Module:
         if cfg.mode == "op":
             context_fn = partial(op_context, cfg.op_recompute_every_second_mm)
-            model.layers[name] = checkpoint_wrapper(block, context_fn=context_fn,
-                                                    preserve_rng_state=False)
-        elif cfg.mode == "full" or (i + 1) % cfg.every_n_layers == 0:
-            model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False)
+            return checkpoint_wrapper(block, context_fn=context_fn, preserve_rng_state=False)
+        if cfg.mode == "full" or (i + 1) % cfg.every_n_layers == 0:
+            return checkpoint_wrapper(block, preserve_rng_state=False)
+        return block
+
+    model.wrap_blocks(wrap)

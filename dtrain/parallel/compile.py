@@ -37,8 +37,9 @@ def fp8_output_layer(model: Transformer) -> bool:
 
 def apply_compile(model: Transformer, fullgraph: bool = True,
                   options: dict[str, object] | None = None) -> None:
-    """Wraps each block in ``torch.compile`` (names gain ``_orig_mod``, which ``canonical_name``
-    removes) with Inductor's ``options`` for these compiles alone. Applied after checkpointing
+    """Wraps each block (the multi-token prediction depths' too) in ``torch.compile`` (names
+    gain ``_orig_mod``, which ``canonical_name`` removes) with Inductor's ``options`` for these
+    compiles alone. Applied after checkpointing
     and before FSDP. ``fullgraph=False`` lets the block break around code compile must not
     trace (MoE layers' host reads of expert counts).
 
@@ -47,7 +48,7 @@ def apply_compile(model: Transformer, fullgraph: bool = True,
     eager, its absolute maximum, scaling, saturation and the transposed copy are a pass each,
     which cost what its FP8 GEMMs save (docs/benchmarks.md). A bf16 output layer is one GEMM
     and stays as it is."""
-    for name, block in list(model.layers.items()):
-        model.layers[name] = torch.compile(block, fullgraph=fullgraph, options=options or None)
+    model.wrap_blocks(lambda i, block: torch.compile(block, fullgraph=fullgraph,
+                                                     options=options or None))
     if fp8_output_layer(model):
         model.output = torch.compile(model.output, fullgraph=True, options=options or None)

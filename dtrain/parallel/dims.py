@@ -92,7 +92,8 @@ class ParallelDims:
         self._meshes = {"world": world, **{n: world[n] for n in names}}
         for flat, parts in (("dp", ("dp_replicate", "dp_shard")),
                             ("dp_shard_cp", ("dp_shard", "cp")),
-                            ("dp_cp", ("dp_replicate", "dp_shard", "cp"))):
+                            ("dp_cp", ("dp_replicate", "dp_shard", "cp")),
+                            ("cp_tp", ("cp", "tp"))):
             present = tuple(p for p in parts if p in names)
             if len(present) == 1:
                 self._meshes[flat] = world[present[0]]
@@ -117,9 +118,10 @@ class ParallelDims:
                             ("dp_cp", ("dp_replicate", *shard, "cp")),
                             ("ep", ("dp_shard_in_ep", "cp")),
                             ("ep_fsdp", ("dp_replicate", "dp_shard_mod_ep", "tp")),
-                            ("moe_fsdp", ("dp_replicate", *shard, "cp", "tp"))):
+                            ("moe_fsdp", ("dp_replicate", *shard, "cp", "tp")),
+                            ("cp_tp", ("cp", "tp"))):
             present = tuple(p for p in parts if p in names)
-            if flat == "moe_fsdp" and self.tp == 1:
+            if (flat == "moe_fsdp" and self.tp == 1) or not present:
                 continue
             if len(present) == 1:
                 self._meshes[flat] = world[present[0]]

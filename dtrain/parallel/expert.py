@@ -108,13 +108,39 @@ def apply_ep(model: Transformer, ep_mesh: DeviceMesh) -> None:
                               input_fn=hooks.dispatch, output_fn=hooks.combine)
 
 
+def split_moe_losses(model: nn.Module, group: dist.ProcessGroup, cp: int) -> None:
+    """The MoE layers of ``model`` see a share of each micro-batch's tokens, the rest being on
+    the other ranks of ``group`` (sequence parallel over tp, context parallel over cp): their
+    load-balancing losses count the experts' tokens over all of them (``MoE.sum_over_shards``),
+    as one process does. FSDP averages the gradients over the ``cp`` ranks, where a micro-batch's
+    shards are to be summed: their aux losses' gradients are scaled up by ``cp``, as the LM
+    loss's are (``dtrain.run``)."""
+    size = dist.get_world_size(group)
+
+    def sum_over_shards(counts: torch.Tensor) -> tuple[torch.Tensor, int]:
+        total = counts.clone()
+        dist.all_reduce(total, group=group)
+        return total, size
+
+    for module in model.modules():
+        if isinstance(module, MoE):
+            module.sum_over_shards = sum_over_shards
+            module.aux_grad_scale *= cp
+
+
 def moe_layers(parts: list[nn.Module]) -> dict[int, MoE]:
     """The MoE modules of this rank's model parts by layer index (blocks with a dense
-    feed-forward, ``LlamaArgs.moe_layers``, have none)."""
+    feed-forward, ``LlamaArgs.moe_layers``, have none); multi-token prediction depth k's block
+    is layer ``n_layers + k``."""
     from dtrain.models.llama import canonical_name
 
-    return {int(canonical_name(name).split(".")[1]): m for part in parts
-            for name, m in part.named_modules() if isinstance(m, MoE)}
+    layers = {}
+    for part in parts:
+        for name, m in part.named_modules():
+            if isinstance(m, MoE):
+                root, index = canonical_name(name).split(".")[:2]
+                layers[int(index) + (part.args.n_layers if root == "mtp" else 0)] = m
+    return layers
 
 
 def reset_moe_stats(layers: dict[int, MoE]) -> None:
@@ -169,16 +195,13 @@ class MoEStats(StepHook):
     """The MoE layers' step statistics, for the log and the sigmoid routers' expert bias. The
     counts are cleared before each step; after each update the expert bias of sigmoid routers
     moves by ``bias_rate`` towards balance (``update_expert_bias``, from the step's counts over
-    ``groups``); each logged step's record gets ``moe_record``, except a pipeline's first step
-    (``skip_first``), whose shape inference ran each stage once on placeholder inputs, which the
-    counts include."""
+    ``groups``); each logged step's record gets ``moe_record``."""
 
     def __init__(self, layers: dict[int, MoE], n_layers: int, n_experts: int,
-                 groups: list[dist.ProcessGroup], bias_rate: float, skip_first: bool):
+                 groups: list[dist.ProcessGroup], bias_rate: float):
         self.layers, self.n_layers, self.n_experts = layers, n_layers, n_experts
-        self.groups, self.bias_rate, self.skip_first = groups, bias_rate, skip_first
+        self.groups, self.bias_rate = groups, bias_rate
         self.sigmoid = any(moe.router.score == "sigmoid" for moe in layers.values())
-        self.steps = 0
 
     def stats(self) -> torch.Tensor:
         return gather_moe_stats(self.layers, self.n_layers, self.n_experts, self.groups)
@@ -190,11 +213,6 @@ class MoEStats(StepHook):
         if self.sigmoid:
             update_expert_bias(self.layers, self.stats(), self.bias_rate)
 
-    def after_step(self, step: int) -> None:
-        self.steps += 1
-
     def record(self, step: int) -> dict:
-        if self.skip_first and self.steps == 1:
-            return {}
         return moe_record(self.stats())
 

@@ -13,17 +13,22 @@ Transformer Engine (``fp8.backend = "te"``): ``nn.Linear`` becomes ``te.Linear``
 of the model runs under ``te.fp8_autocast`` with the delayed or current scaling recipe.
 
 With torchao, the MoE experts' grouped GEMMs run in FP8 as well (``fp8.experts``: rowwise
-scales, ``dtrain.models.grouped_gemm``); Transformer Engine leaves them in bf16.
+scales, ``dtrain.models.grouped_gemm``); Transformer Engine leaves them in bf16. DeepSeek-V3's
+layers take the same rules: latent attention's projections are plain linears, its shared expert
+a feed-forward, its routed experts grouped ones.
 
 Layers stay in bf16 when their name matches ``fp8.filter_fqns`` (the output projection by
-default), when their dimensions are not multiples of 16 (FP8 matmuls need them), or when their
-weight is shared with another module (a tied output layer).
+default), when their dimensions are not multiples of 16 (FP8 matmuls need them; an experts
+module's too), when their weight is shared with another module (a tied output layer), or when
+they are an MoE router's gate (its scores choose the experts: DeepSeek-V3, Megatron-LM and
+torchtitan keep it in high precision). The start-up line names the kept ones and why.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import re
 import types
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -33,6 +38,7 @@ from torch import nn
 
 from dtrain.config import ConfigError, FP8Config
 from dtrain.hooks import StepHook
+from dtrain.models.moe import GroupedExperts, Router
 
 
 def require_backend(backend: str):
@@ -103,14 +109,16 @@ def _matches(fqn: str, pattern: str) -> bool:
 def fp8_filter(model: nn.Module, filter_fqns: Sequence[str]) -> Callable[[nn.Module, str], bool]:
     """The predicate ``(module, fqn) -> convert?``: true for an ``nn.Linear`` of ``model`` whose
     name matches no pattern of ``filter_fqns`` (a name, a dotted suffix or a glob), whose
-    in and out features are multiples of 16 and whose weight no other module shares."""
+    in and out features are multiples of 16, whose weight no other module shares and which is
+    no MoE router's gate."""
     uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    gates = {id(m.gate) for m in model.modules() if isinstance(m, Router)}
 
     def convert(module: nn.Module, fqn: str) -> bool:
         return (isinstance(module, nn.Linear)
                 and not any(_matches(fqn, pattern) for pattern in filter_fqns)
                 and module.in_features % 16 == 0 and module.out_features % 16 == 0
-                and uses[id(module.weight)] == 1)
+                and uses[id(module.weight)] == 1 and id(module) not in gates)
 
     return convert
 
@@ -133,8 +141,9 @@ def convert_to_fp8(model: nn.Module, cfg: FP8Config,
     ones of ``cfg.backend``; on a ``meta`` model nothing is allocated. ``fsdp`` turns on FP8
     all-gather where ``fp8_all_gather`` says so; ``cfg.emulate`` (torchao) computes the FP8
     matmuls in high precision, for machines without FP8 units. Returns the names of the
-    converted layers, of the linear layers kept as they were and of the MoE experts modules
-    whose grouped GEMMs run in FP8 (``fp8.experts``)."""
+    converted linear layers, of the layers kept as they were (linears, and with ``fp8.experts``
+    the MoE experts modules whose widths FP8 cannot take) and of the experts modules whose
+    grouped GEMMs run in FP8."""
     convert = fp8_filter(model, cfg.filter_fqns)
     linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     converted = [name for name, m in linears if convert(m, name)]
@@ -146,7 +155,10 @@ def convert_to_fp8(model: nn.Module, cfg: FP8Config,
         config = dataclasses.replace(
             config, enable_fsdp_float8_all_gather=fp8_all_gather(cfg, fsdp), emulate=cfg.emulate)
         backend.convert_to_float8_training(model, config=config, module_filter_fn=convert)
-        experts = _fp8_experts(model, cfg.emulate) if cfg.experts else []
+        if cfg.experts:
+            experts = _fp8_experts(model, cfg.emulate)
+            kept += [name for name, m in model.named_modules()
+                     if isinstance(m, GroupedExperts) and name not in experts]
     else:
         for name in converted:
             parent_name, _, child = name.rpartition(".")
@@ -160,8 +172,6 @@ def _fp8_experts(model: nn.Module, emulate: bool) -> list[str]:
     """Puts the grouped GEMMs of every MoE experts module of ``model`` whose dimensions are
     multiples of 16 (as FP8 GEMMs need) in FP8 (``dtrain.models.grouped_gemm``); returns their
     names."""
-    from dtrain.models.moe import GroupedExperts
-
     names = []
     for name, module in model.named_modules():
         if isinstance(module, GroupedExperts) and not any(
@@ -318,13 +328,33 @@ class ScaleRefresh(StepHook):
 def describe_fp8(cfg: FP8Config, layers: tuple[list[str], list[str], list[str]],
                  all_gather: bool) -> str:
     """The start-up summary's line of the FP8 conversion (``convert_to_fp8``'s ``layers``:
-    converted linears, kept linears, MoE layers whose experts are FP8)."""
+    converted linears, kept layers, MoE layers whose experts are FP8): what runs in FP8, and
+    each kind of layer kept in bf16 (``kept_summary``)."""
     converted, kept, experts = layers
     return (f"fp8: {cfg.backend} {cfg.recipe}{' with FP8 all-gather' if all_gather else ''} | "
-            f"{len(converted)} linear layers in FP8, {len(kept)} kept "
-            f"({', '.join(kept[:4])}{', ...' if len(kept) > 4 else ''})"
-            + (f" | the experts of {len(experts)} MoE layers in FP8 (rowwise)" if experts
-               else ""))
+            f"{len(converted)} linear layers in FP8"
+            + (f", the experts of {len(experts)} MoE layers (rowwise)" if experts else "")
+            + f" | kept in bf16: {kept_summary(kept, cfg.filter_fqns) or 'none'}")
+
+
+def kept_summary(kept: Sequence[str], filter_fqns: Sequence[str]) -> str:
+    """``kept`` (layer names) by kind and why, the blocks' (and multi-token prediction depths')
+    layers under one pattern with their number: "layers.*.attention.wkv_a x2 (widths not
+    multiples of 16, or a shared weight), output (fp8.filter_fqns)"."""
+    kinds: dict[tuple[str, str], int] = {}
+    for name in kept:
+        if any(_matches(name, pattern) for pattern in filter_fqns):
+            why = "fp8.filter_fqns"
+        elif name.endswith("router.gate"):
+            why = "MoE router"
+        elif name.endswith("experts"):
+            why = "widths not multiples of 16"
+        else:
+            why = "widths not multiples of 16, or a shared weight"
+        kind = (re.sub(r"^(layers|mtp)\.\d+\.", r"\1.*.", name), why)
+        kinds[kind] = kinds.get(kind, 0) + 1
+    return ", ".join(f"{kind}{f' x{n}' if '*' in kind else ''} ({why})"
+                     for (kind, why), n in kinds.items())
 
 
 def fp8_step_hooks(model_parts: Sequence[nn.Module], cfg: FP8Config, fsdp: bool,

@@ -32,7 +32,8 @@ def apply_fsdp(model: Transformer, mesh: DeviceMesh, param_dtype: torch.dtype,
     common = {"mesh": mesh, "mp_policy": mp}
     if cpu_offload:
         common["offload_policy"] = CPUOffloadPolicy()
-    blocks = list(model.layers.values())
+    # The blocks, then the multi-token prediction depths (each with its block) last.
+    blocks = [*model.layers.values(), *(model.mtp.values() if model.mtp is not None else ())]
     for i, block in enumerate(blocks):
         last = i == len(blocks) - 1
         reshard = {"always": True, "never": False, "default": not last,

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import (
@@ -154,10 +155,30 @@ def split_model(model: Transformer, specs: list[StageSpec], indices: list[int]
                 del part.layers[name]
         if not spec.embedding:
             part.tok_embeddings = None
-        if not spec.output:
-            part.norm, part.output = None, None
+        if not spec.output:  # the multi-token prediction depths stay with the output layer
+            part.norm, part.output, part.mtp = None, None, None
         parts.append(part)
     return parts
+
+
+def drop_placeholder_stats(part: nn.Module, loss_fn) -> None:
+    """torch's pipelining infers each stage's shapes in its first step by running the stage once
+    on placeholder inputs (uninitialised tensors), and the last stage's loss on that output: the
+    statistics these runs leave (MoE token counts and aux losses, the multi-token prediction
+    losses: whatever keeps them and has ``reset_stats``) are dropped when the stage's first real
+    micro-batch arrives, its second forward."""
+    calls = 0
+
+    def before_forward(module: nn.Module, args) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            for holder in [*part.modules(), loss_fn]:
+                if hasattr(holder, "reset_stats"):
+                    holder.reset_stats()
+            handle.remove()
+
+    handle = part.register_forward_pre_hook(before_forward)
 
 
 class Pipeline:
@@ -179,6 +200,8 @@ class Pipeline:
 
         stages = [PipelineStage(part, index, num_stages, device, group=pp_mesh.get_group())
                   for part, index in zip(parts, indices, strict=True)]
+        for part in parts:
+            drop_placeholder_stats(part, loss_fn)
         cls = get_schedule_class(schedule)
         # scale_grads=False: the loss is already scaled to the global batch's mean token loss.
         if issubclass(cls, PipelineScheduleSingle):

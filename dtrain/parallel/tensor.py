@@ -23,7 +23,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -74,10 +73,17 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, loss_parallel: bool,
     vocabulary-sharded logits as a DTensor (compute the loss under ``loss_parallel()``);
     otherwise it returns full logits as a plain tensor. ``float8``: see ``block_plan``."""
     parallelize_module(model, tp_mesh, top_plan(model, loss_parallel, float8))
-    for block in model.layers.values():
+    for depth in model.mtp.values() if model.mtp is not None else ():
+        parallelize_module(depth, tp_mesh, MTP_PLAN)
+    for block in model.blocks():
         parallelize_module(block, tp_mesh, block_plan(block, float8))
-        if isinstance(block.feed_forward, MoE):  # routes its sequence shard: see block_plan
-            block.feed_forward.sum_over_shards = _sum_over(tp_mesh.get_group())
+
+
+# A multi-token prediction depth around its block: everything per token on the sequence shard,
+# the weights replicated (their gradients summed over the ranks by DTensor).
+MTP_PLAN: dict[str, ParallelStyle] = {
+    "enorm": SequenceParallel(), "hnorm": SequenceParallel(),
+    "proj": SequenceParallel(use_local_output=True), "norm": SequenceParallel()}
 
 
 def top_plan(model: Transformer, loss_parallel: bool,
@@ -102,15 +108,6 @@ def top_plan(model: Transformer, loss_parallel: bool,
                                 output_layouts=Shard(-1) if loss_parallel else Replicate(),
                                 use_local_output=not loss_parallel)
     return top
-
-
-def _sum_over(group: dist.ProcessGroup):
-    """``MoE.sum_over_shards`` for the ranks of ``group``."""
-    def sum_over_shards(counts: torch.Tensor) -> tuple[torch.Tensor, int]:
-        total = counts.clone()
-        dist.all_reduce(total, group=group)
-        return total, dist.get_world_size(group)
-    return sum_over_shards
 
 
 def block_plan(block: nn.Module, float8: bool = False) -> dict[str, ParallelStyle]:

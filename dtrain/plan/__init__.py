@@ -1,5 +1,6 @@
 """Answers "which layout?" before a GPU is used: a memory model and a step-time model
-(``memory``, ``step_time``, constants in ``constants``), the planner that ranks layouts
+(``memory``, ``step_time``, over each block's parameters, activations and FLOPs in ``blocks``,
+constants in ``constants``), the planner that ranks layouts
 (``planner``, ``python -m dtrain.plan``) and the dry run of a recipe on a fake process group
 (``dry_run``, ``python -m dtrain.train --dry-run``)."""
 

@@ -52,7 +52,7 @@ class Constants:
     NCCL and CUDA context)."""
     act_none: float = 0.94
     """Saved activations without checkpointing, as a share of the tensor count in
-    ``memory.layer_activation_elements``."""
+    ``blocks.block_activation_elements``."""
     act_op: float = 0.22
     """The same with selective (op) checkpointing."""
     act_eager: float = 1.15

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from dtrain.config import Config, ConfigError
 from dtrain.dtensor import local
 from dtrain.plan.constants import H200, Constants
-from dtrain.plan.memory import GIB, Layout, MemoryEstimate, Workload, rank_memory
+from dtrain.plan.memory import GIB, Layout, MemoryEstimate, Workload, rank_memory, rank_stages
 
 
 @dataclass(frozen=True)
@@ -128,7 +128,8 @@ def layout_of(cfg: Config, dims) -> Layout:
                   pp_virtual_stages=cfg.parallel.pp_virtual_stages,
                   pp_schedule=cfg.parallel.pp_schedule, micro_batch=cfg.training.micro_batch_size,
                   ac="full" if ac == "layer" else ac, compiled=cfg.compile.enabled,
-                  fp8=cfg.fp8.enabled, cp_comm_type=cfg.parallel.cp_comm_type)
+                  fp8=cfg.fp8.enabled, cp_comm_type=cfg.parallel.cp_comm_type,
+                  pp_layout=cfg.parallel.pp_layout if dims.pp > 1 else "")
 
 
 def default_world_size(cfg: Config) -> int:
@@ -174,10 +175,9 @@ def dry_run(cfg: Config, world_size: int | None = None, rank: int = 0,
         args = built.parts[0].args
         work = Workload(args, cfg.training.seq_len, global_batch)
         layout = layout_of(cfg, dims)
-        first = 0 in built.stage_indices
-        last = built.num_stages - 1 in built.stage_indices
-        # A middle pipeline rank is counted like the first (the most microbatches in flight).
-        est = rank_memory(work, layout, constants, first, last)
+        # This rank's pipeline stages: stage_indices[0] is its pipeline rank (looped or V).
+        est = rank_memory(work, layout, constants,
+                          rank_stages(args, layout, built.stage_indices[0]))
         shape = ", ".join(f"{name} {size}" for name, size in
                           zip(mesh.mesh_dim_names, mesh.mesh.shape, strict=True))
         report = DryRunReport(world_size, rank, shape, built.stage_indices, built.num_stages,

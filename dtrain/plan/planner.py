@@ -78,7 +78,7 @@ def layouts(work: Workload, cluster: Cluster, like: Layout | None = None) -> lis
                             continue
                         out += _batch_choices(work, replace(like, tp=tp, pp=pp, cp=cp, ep=ep,
                                                             dp_shard=dp_shard,
-                                                            dp_replicate=dp_replicate))
+                                                            dp_replicate=dp_replicate), like)
     return out
 
 
@@ -90,7 +90,9 @@ def virtual_stages(n_layers: int, pp: int) -> list[int]:
             if n_layers % (pp * v) == 0 or v <= 4]
 
 
-def _batch_choices(work: Workload, base: Layout) -> list[Layout]:
+def _batch_choices(work: Workload, base: Layout, like: Layout) -> list[Layout]:
+    """Micro-batch, schedule and checkpointing variants of ``base``; the stages' layers as in
+    ``like`` where the stages are its (pp and stages per rank), else split evenly."""
     out = []
     for mb in (1, 2, 4, 8):
         if work.global_batch % (mb * base.dp):
@@ -104,9 +106,11 @@ def _batch_choices(work: Workload, base: Layout) -> list[Layout]:
                 schedules += [("Interleaved1F1B", v)
                               for v in virtual_stages(work.args.n_layers, base.pp)]
         for schedule, v in schedules:
+            same_stages = (base.pp, v) == (like.pp, like.pp_virtual_stages)
             for ac in AC_MODES if base.ep == 1 else ("none", "full"):  # op refused with ep
                 out.append(replace(base, micro_batch=mb, ac=ac, pp_schedule=schedule,
-                                   pp_virtual_stages=v))
+                                   pp_virtual_stages=v,
+                                   pp_layout=like.pp_layout if same_stages else ""))
     return out
 
 

@@ -8,15 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dtrain.parallel.pipeline import ideal_bubble
+from dtrain.plan.blocks import all_blocks, attention_flops, head_widths, model_flops_per_token
 from dtrain.plan.constants import H200, Constants
-from dtrain.plan.memory import (
-    Layout,
-    Workload,
-    fsdp_groups,
-    layer_params,
-    local_params,
-    stage_layers,
-)
+from dtrain.plan.memory import Layout, Workload, fsdp_groups, local_params, pipeline_ranks
 
 
 @dataclass
@@ -42,17 +36,6 @@ class TimeEstimate:
     """The bytes of ``traffic["fsdp"]`` over meshes that span nodes."""
 
 
-def model_flops_per_token(args, seq_len: int) -> float:
-    """The MFU convention (``dtrain.metrics.flops_per_token``) from the shapes alone."""
-    p = layer_params(args)
-    active = p["tp"] + p["replicated"] + p["router"]
-    if args.n_experts:
-        active += p["experts"] * args.moe_top_k / args.n_experts
-    # Blocks, final norm and the output layer (the tied table counts as the output layer).
-    non_embedding = args.n_layers * active + args.dim + args.vocab_size * args.dim
-    return 6 * non_embedding + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
-
-
 def _bandwidth(group: int, stride: int, gpus_per_node: int, c: Constants) -> float:
     """GB/s of a collective over ``group`` ranks spaced ``stride`` apart in the rank order."""
     return c.nvlink_gb_s if group * stride <= gpus_per_node else c.network_gb_s
@@ -68,7 +51,7 @@ def _compute_time(work: Workload, layout: Layout, c: Constants) -> float:
     args, seq = work.args, work.seq_len
     tokens_rank = work.global_batch * seq / layout.world  # tokens of compute per GPU and step
     flops = model_flops_per_token(args, seq)
-    attention = 12 * args.n_layers * args.n_heads * args.head_dim * seq
+    attention = attention_flops(args, seq)
     matmul_eff = c.matmul_efficiency * (c.fp8_matmul_speedup if layout.fp8 else 1.0)
     peak = c.peak_tflops * 1e12
     attention_eff = c.attention_efficiency  # context-parallel blocks run on the same kernel
@@ -90,7 +73,9 @@ def estimate_time(work: Workload, layout: Layout, gpus_per_node: int = 8,
     tp_bw = _bandwidth(layout.tp, 1, gpus_per_node, c)
     cp_bw = _bandwidth(layout.cp, layout.tp, gpus_per_node, c)
 
-    layers = args.n_layers / layout.pp
+    # Blocks per pipeline rank (the MTP depths too), and of those with experts.
+    layers = len(all_blocks(args)) / layout.pp
+    moe_layers = sum(map(args.is_moe_layer, all_blocks(args))) / layout.pp
     tokens_mb = layout.micro_batch * seq / layout.cp  # local tokens of one micro-batch
     h = args.dim
     # Tensor parallel: per block and micro-batch 2 all-gathers and 2 reduce-scatters of the
@@ -101,19 +86,21 @@ def estimate_time(work: Workload, layout: Layout, gpus_per_node: int = 8,
     if layout.tp > 1:
         per_collective = _ring(tokens_mb * h * 2, layout.tp) / (tp_bw * 1e9)
         count = 8 + (0 if layout.ac == "none" else 2)
-        if args.n_experts:
-            count /= 2  # the MoE keeps tokens sequence-sharded
-        tp_time = c.tp_exposed * count * per_collective * layers * m
-        traffic["tp"] = count * _ring(tokens_mb * h * 2, layout.tp) * layers * m
+        tp_blocks = layers - moe_layers / 2  # an MoE keeps tokens sequence-sharded: half
+        tp_time = c.tp_exposed * count * per_collective * tp_blocks * m
+        traffic["tp"] = count * _ring(tokens_mb * h * 2, layout.tp) * tp_blocks * m
     # Context parallel: K/V around the ring (p2p) or all-to-alls (a2a), per block.
     cp_time = 0.0
     if layout.cp > 1:
-        kv = args.kv_heads * args.head_dim / layout.tp
+        qk, v = head_widths(args)
+        heads = args.n_heads if args.attention == "mla" else args.kv_heads  # MLA: per head
+        kv = heads * (qk + v) / layout.tp  # a token's keys and values
         if layout.cp_comm_type == "a2a":
-            volume = tokens_mb * (2 * h / layout.tp + 2 * kv) * 2 * 2  # q, out; k, v; fwd+bwd
+            q_out = args.n_heads * (qk + v) / layout.tp
+            volume = tokens_mb * (q_out + kv) * 2 * 2  # q, out; k, v; fwd+bwd
             volume = _ring(volume, layout.cp)
         else:
-            volume = (layout.cp - 1) * tokens_mb * 2 * kv * 2 * 3  # K/V fwd, K/V+dK/dV bwd
+            volume = (layout.cp - 1) * tokens_mb * kv * 2 * 3  # K/V fwd, K/V+dK/dV bwd
         cp_time = c.cp_exposed * volume / (cp_bw * 1e9) * layers * m
         traffic["cp"] = volume * layers * m
     # Expert parallel: dispatch and combine all-to-alls forward and backward, per MoE block.
@@ -121,15 +108,15 @@ def estimate_time(work: Workload, layout: Layout, gpus_per_node: int = 8,
     if layout.ep > 1:
         ep_bw = bandwidth["ep"] = _bandwidth(layout.ep, layout.tp, gpus_per_node, c)
         volume = tokens_mb / layout.tp * args.moe_top_k * h * 2 * 4
-        ep_time = c.ep_exposed * _ring(volume, layout.ep) / (ep_bw * 1e9) * layers * m
-        traffic["ep"] = _ring(volume, layout.ep) * layers * m
+        ep_time = c.ep_exposed * _ring(volume, layout.ep) / (ep_bw * 1e9) * moe_layers * m
+        traffic["ep"] = _ring(volume, layout.ep) * moe_layers * m
     fsdp_exposed, fsdp_across = _fsdp_time(work, layout, gpus_per_node, c, compute, traffic)
     # Pipeline bubble, and the optimizer step (fused AdamW: ~28 bytes per local parameter).
     bubble = 0.0
     if layout.pp > 1:
         bubble = ideal_bubble(layout.pp_schedule, layout.pp, layout.pp_virtual_stages, m) * (
             compute + tp_time + cp_time + ep_time)
-    local = local_params(args, layout, True, layout.pp == 1, round(layers))
+    local = local_params(args, layout, pipeline_ranks(args, layout)[0])
     optimizer = local * 28 / (c.hbm_gb_s * 1e9)
     overhead = c.step_overhead_s + c.microbatch_overhead_s * m * layout.pp_virtual_stages
     step = compute + tp_time + cp_time + ep_time + fsdp_exposed + bubble + optimizer + overhead
@@ -155,11 +142,10 @@ def _fsdp_time(work: Workload, layout: Layout, gpus_per_node: int, c: Constants,
       hidden like the above, and one reduce-scatter (and HSDP all-reduce) per step, after the
       last backward, not hidden."""
     m = work.microbatches(layout)
-    layers = stage_layers(work.args, layout, False)
     weight = 1 if layout.fp8 else 2
     gather = reduce = across = 0.0  # seconds, seconds, bytes
     rep_bw = _bandwidth(layout.world // layout.pp, 1, gpus_per_node, c)
-    for g in fsdp_groups(work.args, layout, layers, True, layout.pp == 1):
+    for g in fsdp_groups(work.args, layout, pipeline_ranks(work.args, layout)[0]):
         if g.shards == 1:
             continue
         if layout.pp > 1:

@@ -15,16 +15,20 @@ Attention across the shards (``parallel.cp_comm_type``, as Megatron's ``--cp-com
 - ``a2a``: Ulysses. An all-to-all trades the sequence split for a head split, each rank runs full
   causal attention on ``heads / cp`` heads, an all-to-all trades back.
 
-Inputs of the attention are (batch, local seq, heads, head_dim), K/V with the model's (fewer)
-KV heads: K/V are communicated, and attended, without grouped-query expansion. Blocks are
+Inputs of the attention are (batch, local seq, heads, width), K/V with the model's (fewer)
+KV heads: K/V are communicated, and attended, without grouped-query expansion. Values (and the
+output) may be narrower or wider than queries and keys, and the softmax scale is each
+attention's own: multi-head latent attention (``dtrain.models.mla``) has both. Blocks are
 computed by the cuDNN or flash kernel (the first of the two in the model's attention backends;
-both return the log-sum-exp that merging blocks needs, and both take grouped K/V), on CPU or in
-fp32 by an exact math path.
+both return the log-sum-exp that merging blocks needs, both take grouped K/V and the scale;
+flash, which takes one width, gets zero-padded inputs: ``blocks.attend``), on CPU or in fp32 by
+an exact math path.
 """
 
 from __future__ import annotations
 
 import torch
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.attention import SDPBackend
 
@@ -46,13 +50,9 @@ def load_balanced_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
 
 
 def check_cp(args: LlamaArgs, cp: int, tp: int, seq_len: int, comm_type: str) -> None:
-    """Raises ConfigError for multi-head latent attention, when the sequence does not split
-    into 2 cp (x tp) chunks, or, for ``a2a``, the (tensor-parallel local) heads of the model
-    ``args`` describes do not split over cp."""
-    if args.attention == "mla":
-        raise ConfigError("parallel.cp > 1 is not available with multi-head latent attention "
-                          "(attention = 'mla'): context-parallel attention takes keys and values "
-                          "of one width and the default softmax scale; use parallel.cp = 1")
+    """Raises ConfigError when the sequence does not split into 2 cp (x tp) chunks, or, for
+    ``a2a``, the (tensor-parallel local) heads of the model ``args`` describes do not split over
+    cp."""
     if seq_len % (2 * cp * tp):
         what = f"2 x parallel.cp x parallel.tp = 2 x {cp} x {tp}" if tp > 1 \
             else f"2 x parallel.cp = 2 x {cp}"
@@ -61,7 +61,10 @@ def check_cp(args: LlamaArgs, cp: int, tp: int, seq_len: int, comm_type: str) ->
                           f"rank{', each split over tp' if tp > 1 else ''}): use a multiple of "
                           f"{2 * cp * tp}")
     if comm_type == "a2a":
-        for name, value in (("n_heads", args.n_heads), ("n_kv_heads", args.kv_heads)):
+        heads = [("n_heads", args.n_heads)]
+        if args.attention != "mla":  # MLA expands its keys and values to every query head
+            heads.append(("n_kv_heads", args.kv_heads))
+        for name, value in heads:
             local = value // tp
             if local % cp:
                 per_rank = f" / tp = {local} per tensor-parallel rank" if tp > 1 else ""
@@ -72,13 +75,25 @@ def check_cp(args: LlamaArgs, cp: int, tp: int, seq_len: int, comm_type: str) ->
 
 
 def apply_cp(model: Transformer, cp_mesh: DeviceMesh, comm_type: str, seq_len: int) -> None:
-    """Replaces each block's core attention with context-parallel attention over ``cp_mesh`` and
-    sets ``model.positions`` to this rank's (``load_balanced_positions`` of ``seq_len``): the
-    model rotates its tokens by them, and the trainer cuts each batch to them."""
+    """Replaces the core attention of each attention module (the blocks' and the multi-token
+    prediction depths') with context-parallel attention over ``cp_mesh``, with the module's own
+    kernels and softmax scale, and sets ``model.positions`` to this rank's
+    (``load_balanced_positions`` of ``seq_len``): the model rotates its tokens by them, and the
+    trainer cuts each batch to them."""
     model.positions = load_balanced_positions(seq_len, cp_mesh.size(), cp_mesh.get_local_rank())
-    for block in model.layers.values():
-        backends = block.attention.backends
-        block.attention.core_attention = ContextParallelAttention(cp_mesh, comm_type, backends)
+    for module in model.modules():
+        if hasattr(module, "core_attention"):
+            backends, scale = _core_attention_settings(module)
+            module.core_attention = ContextParallelAttention(cp_mesh, comm_type, backends, scale)
+
+
+def _core_attention_settings(attention: nn.Module) -> tuple[list[SDPBackend], float | None]:
+    """The SDPA backends and softmax scale an attention module's own core attention was built
+    with: the keywords of its ``functools.partial`` (``causal_attention`` of ``Attention``, which
+    takes the default scale: None here; ``latent_causal_attention`` of ``LatentAttention``,
+    whose scale YaRN may change)."""
+    keywords = attention.core_attention.keywords
+    return keywords["backends"], keywords.get("scale")
 
 
 class ContextParallelAttention:
@@ -89,19 +104,23 @@ class ContextParallelAttention:
     checkpointing saves its outputs (``activation_checkpoint.SAVE_OPS``) so the recomputation in
     backward neither attends nor communicates again."""
 
-    def __init__(self, cp_mesh: DeviceMesh, comm_type: str, backends: list):
+    def __init__(self, cp_mesh: DeviceMesh, comm_type: str, backends: list,
+                 scale: float | None = None):
         if comm_type not in COMM_TYPES:
             raise ConfigError(f"parallel.cp_comm_type = {comm_type!r}: use one of "
                               f"{', '.join(COMM_TYPES)}")
         self.group_name = cp_mesh.get_group().group_name
         self.comm_type = comm_type
         self.backends = backends
+        self.scale = scale  # the factor on q k^T; None: 1 / sqrt(query width)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q (batch, local seq, heads, head_dim), k and v with the KV heads -> the attention
-        output of the local queries, (batch, local seq, heads, head_dim)."""
+        """q and k (batch, local seq, heads, width), v of its own width, k and v with the KV
+        heads -> the attention output of the local queries, (batch, local seq, heads, v's
+        width)."""
+        scale = q.shape[-1] ** -0.5 if self.scale is None else self.scale
         op = CP_OPS[self.comm_type]
-        return op(q, k, v, self.group_name, _kernel(q, self.backends))[0]
+        return op(q, k, v, self.group_name, _kernel(q, self.backends), scale)[0]
 
 
 def _kernel(q: torch.Tensor, backends: list) -> str:

@@ -1,7 +1,8 @@
 """What every context-parallel algorithm shares: the rank's place in the cp group (``Shards``),
-the layouts between (batch, seq, heads, head_dim) and (batch, heads, seq, head_dim), and one block
-of attention with its log-sum-exp (forward, backward, merge) by kernel: cuDNN, flash or an exact
-math path."""
+the layouts between (batch, seq, heads, width) and (batch, heads, seq, width), K and V packed
+into one message, and one block of attention with its log-sum-exp (forward, backward, merge) by
+kernel: cuDNN, flash or an exact math path. Queries and keys share a width, values (and the
+output) may have another (MLA's), and the softmax scale is each attention's own."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import math
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 _aten = torch.ops.aten
@@ -74,58 +76,111 @@ def like_seq_first(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 _EXTRAS: dict[tuple, tuple] = {}  # per (kernel, device): the kernel's placeholders for backward
 
 
-def attend(q, k, v, causal: bool, kernel: str):
-    """Attention of one block, (batch, heads, seq, head_dim) in: (out, log-sum-exp of the scores
-    per query, fp32 (batch, heads, seq)). Causal only on square blocks. k, v may have fewer
-    heads (grouped-query attention)."""
-    b, hq, sq, d = q.shape
-    if kernel == "cudnn":  # both kernels take grouped-query K/V as they are
-        out, lse, cum_q, cum_k, _, _, seed, offset, _ = \
-            _aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal)
-        _EXTRAS.setdefault((kernel, q.device), (cum_q, cum_k, seed, offset, lse.dim()))
-        return out, lse.reshape(b, hq, sq)
+def pack(*tensors: torch.Tensor) -> torch.Tensor:
+    """One flat buffer of the tensors' elements in turn, each in its (batch, heads, seq, width)
+    order: K and V, whose widths may differ, travel as one message."""
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def unpack(buffer: torch.Tensor, *shapes: torch.Size) -> tuple[torch.Tensor, ...]:
+    """The inverse of ``pack``: contiguous views of ``buffer`` shaped as ``shapes``."""
+    sizes = [math.prod(shape) for shape in shapes]
+    return tuple(part.view(shape) for part, shape in zip(buffer.split(sizes), shapes,
+                                                        strict=True))
+
+
+def _kernel_widths(kernel: str, qk_width: int, v_width: int) -> tuple[int, int]:
+    """The (query/key, value) head widths a fused kernel runs at: flash takes one width for q, k
+    and v, a multiple of 8; cuDNN a multiple of 8 each, the two free to differ (DeepSeek-V3's
+    192 and 128). Zero channels appended to q and k add nothing to the scores (the softmax scale
+    is passed, never derived from the width) and those appended to v give output channels that
+    are cut off, so the padded kernel computes the unpadded attention exactly."""
+    def multiple_of_8(width: int) -> int:
+        return -(-width // 8) * 8
     if kernel == "flash":
-        out, lse, cum_q, cum_k, _, _, rng, unused, _ = \
-            _aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)
+        width = multiple_of_8(max(qk_width, v_width))
+        return width, width
+    return multiple_of_8(qk_width), multiple_of_8(v_width)
+
+
+def _padded(t: torch.Tensor, width: int) -> torch.Tensor:
+    """(batch, heads, seq, width): ``t`` with zero channels appended, laid out sequence first
+    as the unpadded inputs are."""
+    if t.shape[-1] == width:
+        return t
+    return F.pad(t.transpose(1, 2), (0, width - t.shape[-1])).transpose(1, 2)
+
+
+def attend(q, k, v, causal: bool, kernel: str, scale: float):
+    """Attention of one block, (batch, heads, seq, width) in: (out, log-sum-exp of the scaled
+    scores per query, fp32 (batch, heads, seq)). q and k have one width, v (and out) another;
+    ``scale`` multiplies q k^T. Causal only on square blocks. k, v may have fewer heads
+    (grouped-query attention)."""
+    b, hq, sq, d = q.shape
+    width = v.shape[-1]
+    if kernel in ("cudnn", "flash"):  # both kernels take grouped-query K/V as they are
+        qk_width, v_width = _kernel_widths(kernel, d, width)
+        q, k, v = _padded(q, qk_width), _padded(k, qk_width), _padded(v, v_width)
+    if kernel == "cudnn":
+        out, lse, cum_q, cum_k, _, _, seed, offset, _ = _aten._scaled_dot_product_cudnn_attention(
+            q, k, v, None, True, 0.0, causal, scale=scale)
+        _EXTRAS.setdefault((kernel, q.device), (cum_q, cum_k, seed, offset, lse.dim()))
+        return out[..., :width], lse.reshape(b, hq, sq)
+    if kernel == "flash":
+        out, lse, cum_q, cum_k, _, _, rng, unused, _ = _aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, causal, scale=scale)
         _EXTRAS.setdefault((kernel, q.device), (cum_q, cum_k, rng, unused))
-        return out, lse
+        return out[..., :width], lse
     hk, dtype = k.shape[1], math_dtype(q)
     scores = (q.to(dtype).reshape(b, hk, hq // hk, sq, d)
-              @ k.to(dtype).unsqueeze(2).transpose(-1, -2)) / math.sqrt(d)
+              @ k.to(dtype).unsqueeze(2).transpose(-1, -2)) * scale
     if causal:
         scores = scores.masked_fill(_upper(sq, k.shape[2], q.device), float("-inf"))
     lse = scores.logsumexp(-1)
     out = torch.exp(scores - lse.unsqueeze(-1)) @ v.to(dtype).unsqueeze(2)
-    return out.reshape(b, hq, sq, d).to(q.dtype), lse.reshape(b, hq, sq)
+    return out.reshape(b, hq, sq, width).to(q.dtype), lse.reshape(b, hq, sq)
 
 
-def attend_backward(dout, q, k, v, out, lse, causal: bool, kernel: str):
+def attend_backward(dout, q, k, v, out, lse, causal: bool, kernel: str, scale: float):
     """Gradients (dq, dk, dv) of one block given the merged output and log-sum-exp."""
+    if kernel in ("cudnn", "flash"):
+        qk_width, v_width = _kernel_widths(kernel, q.shape[-1], v.shape[-1])
+        grads = _fused_backward(*(_padded(t, w) for t, w in (
+            (dout, v_width), (q, qk_width), (k, qk_width), (v, v_width), (out, v_width))),
+            lse, causal, kernel, scale)
+        return tuple(g[..., :t.shape[-1]] for g, t in zip(grads, (q, k, v), strict=True))
     b, hq, sq, d = q.shape
-    hk, sk = k.shape[1], k.shape[2]
-    if kernel == "cudnn":
-        cum_q, cum_k, seed, offset, lse_dims = _EXTRAS[(kernel, q.device)]
-        lse = lse.contiguous().view(b, hq, sq, *[1] * (lse_dims - 3))
-        return _aten._scaled_dot_product_cudnn_attention_backward(
-            dout, q, k, v, out, lse, seed, offset, None, cum_q, cum_k, sq, sk, 0.0, causal)
-    if kernel == "flash":
-        cum_q, cum_k, rng, unused = _EXTRAS[(kernel, q.device)]
-        return _aten._scaled_dot_product_flash_attention_backward(
-            dout, q, k, v, out, lse.contiguous(), cum_q, cum_k, sq, sk, 0.0, causal, rng, unused)
-    group, dtype = (b, hk, hq // hk, sq, d), math_dtype(q)
-    qf, dof = q.to(dtype).reshape(group), dout.to(dtype).reshape(group)
+    hk, sk, width = k.shape[1], k.shape[2], v.shape[-1]
+    dtype = math_dtype(q)
+    qf = q.to(dtype).reshape(b, hk, hq // hk, sq, d)
+    dof = dout.to(dtype).reshape(b, hk, hq // hk, sq, width)
     kf, vf = k.to(dtype).unsqueeze(2), v.to(dtype).unsqueeze(2)
-    scale = 1 / math.sqrt(d)
     scores = (qf @ kf.transpose(-1, -2)) * scale
     if causal:
         scores = scores.masked_fill(_upper(sq, sk, q.device), float("-inf"))
     p = torch.exp(scores - lse.reshape(b, hk, hq // hk, sq, 1))
     dv = (p.transpose(-1, -2) @ dof).sum(2)
     dp = dof @ vf.transpose(-1, -2)
-    ds = p * (dp - (dof * out.to(dtype).reshape(group)).sum(-1, keepdim=True))
+    ds = p * (dp - (dof * out.to(dtype).reshape(dof.shape)).sum(-1, keepdim=True))
     dq = (ds @ kf) * scale
     dk = (ds.transpose(-1, -2) @ qf).sum(2) * scale
     return dq.reshape(b, hq, sq, d).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _fused_backward(dout, q, k, v, out, lse, causal: bool, kernel: str, scale: float):
+    """The cuDNN or flash backward of one block, inputs already at the kernel's widths."""
+    b, hq, sq, _ = q.shape
+    sk = k.shape[2]
+    if kernel == "cudnn":
+        cum_q, cum_k, seed, offset, lse_dims = _EXTRAS[(kernel, q.device)]
+        lse = lse.contiguous().view(b, hq, sq, *[1] * (lse_dims - 3))
+        return _aten._scaled_dot_product_cudnn_attention_backward(
+            dout, q, k, v, out, lse, seed, offset, None, cum_q, cum_k, sq, sk, 0.0, causal,
+            scale=scale)
+    cum_q, cum_k, rng, unused = _EXTRAS[(kernel, q.device)]
+    return _aten._scaled_dot_product_flash_attention_backward(
+        dout, q, k, v, out, lse.contiguous(), cum_q, cum_k, sq, sk, 0.0, causal, rng, unused,
+        scale=scale)
 
 
 def math_dtype(q: torch.Tensor) -> torch.dtype:
@@ -159,8 +214,10 @@ def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
     (merge_fused if out.is_cuda else merge_eager)(out, lse, block_out, block_lse)
 
 
-def accumulators(q: torch.Tensor):
-    """The running fp32 output (laid out sequence first) and log-sum-exp of the local queries."""
+def accumulators(q: torch.Tensor, v: torch.Tensor):
+    """The running fp32 output (v's width, laid out sequence first) and log-sum-exp of the local
+    queries."""
     b, h, s, _ = q.shape
     dtype = math_dtype(q)
-    return (like_seq_first(q, dtype).zero_(), q.new_full((b, h, s), float("-inf"), dtype=dtype))
+    out = q.new_zeros((b, s, h, v.shape[-1]), dtype=dtype).transpose(1, 2)
+    return out, q.new_full((b, h, s), float("-inf"), dtype=dtype)

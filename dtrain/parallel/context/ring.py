@@ -15,8 +15,10 @@ from dtrain.parallel.context.blocks import (
     like_seq_first,
     math_dtype,
     merge,
+    pack,
     seq_first,
     shards_of,
+    unpack,
 )
 
 
@@ -48,24 +50,26 @@ def _ring_block(r: int, src: int, half: int):
 
 @torch.library.custom_op("dtrain::cp_ring_attention", mutates_args=())
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: str,
-                    kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ring attention, (batch, local seq, heads, head_dim) in: (out, log-sum-exp)."""
+                    kernel: str, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ring attention, (batch, local seq, heads, width) in: (out of v's width, log-sum-exp)."""
     shards = shards_of(group)
     r, n = shards.rank, shards.size
     q, k, v = heads_first(q, k, v)
     half = q.shape[2] // 2
-    kv = torch.stack([k, v])
+    shapes = (k.shape, v.shape)
+    kv = pack(k, v)
     out = lse = None
     for step in range(n):
         if step + 1 < n:  # the next block travels while this one is computed
             incoming, requests = _exchange(kv, shards)
         qs, ks, causal = _ring_block(r, (r - step) % n, half)
-        block_out, block_lse = attend(q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], causal,
-                                       kernel)
+        keys, values = unpack(kv, *shapes)
+        block_out, block_lse = attend(q[:, :, qs], keys[:, :, ks], values[:, :, ks], causal,
+                                       kernel, scale)
         if out is None:  # the rank's own block, all its queries: the running result as it is
             out, lse = block_out, block_lse
             if n > 2:  # several merges follow: accumulate in fp32, round once at the end
-                out = like_seq_first(q, math_dtype(q)).copy_(block_out)
+                out = like_seq_first(block_out, math_dtype(q)).copy_(block_out)
         else:
             merge(out[:, :, qs], lse[:, :, qs], block_out, block_lse)
         if step + 1 < n:
@@ -77,7 +81,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: str
 @torch.library.custom_op("dtrain::cp_ring_attention_backward", mutates_args=())
 def ring_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                              v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, group: str,
-                             kernel: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                             kernel: str, scale: float
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """K/V go around the ring again; each block's dK/dV travels with them, accumulating, and
     arrives at the rank that owns the block after the last step."""
     shards = shards_of(group)
@@ -88,28 +93,32 @@ def ring_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     # rounds the exact sum once, as an fp32 accumulator would at the end, and dK/dV travel in
     # half the bytes. More blocks accumulate in fp32.
     acc = q.dtype if n == 2 else math_dtype(q)
-    kv = torch.stack([k, v])
+    shapes = (k.shape, v.shape)
+    kv = pack(k, v)
     dq = dkv = pending = None
     for step in range(n):
         if step + 1 < n:
             incoming, requests = _exchange(kv, shards)
         qs, ks, causal = _ring_block(r, (r - step) % n, half)
+        keys, values = unpack(kv, *shapes)
         dq_block, dk_block, dv_block = attend_backward(
-            dout[:, :, qs], q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], out[:, :, qs],
-            lse[:, :, qs], causal, kernel)
+            dout[:, :, qs], q[:, :, qs], keys[:, :, ks], values[:, :, ks], out[:, :, qs],
+            lse[:, :, qs], causal, kernel, scale)
         if dq is None:  # the rank's own block: all its queries and keys
             dq = dq_block.to(acc)
-            dkv = torch.stack([dk_block, dv_block]).to(acc)
+            dkv = pack(dk_block.to(acc), dv_block.to(acc))
         else:
             dq[:, :, qs] += dq_block
             # The dK/dV accumulated by the ranks this block visited before arrives meanwhile.
             _wait(pending)
-            dkv[0][:, :, ks] += dk_block
-            dkv[1][:, :, ks] += dv_block
+            dk, dv = unpack(dkv, *shapes)
+            dk[:, :, ks] += dk_block
+            dv[:, :, ks] += dv_block
         dkv, pending = _exchange(dkv, shards)
         if step + 1 < n:
             _wait(requests)
             kv = incoming
     _wait(pending)
-    return seq_first(dq.to(q.dtype), owned=True), seq_first(dkv[0].to(k.dtype)), \
-        seq_first(dkv[1].to(v.dtype))
+    dk, dv = unpack(dkv, *shapes)
+    return seq_first(dq.to(q.dtype), owned=True), seq_first(dk.to(k.dtype)), \
+        seq_first(dv.to(v.dtype))
