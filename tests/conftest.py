@@ -2,6 +2,7 @@ import contextlib
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -201,3 +202,26 @@ def logits_and_grads(model, vocab: int = 128):
     return logits.detach(), {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor")
                                     else p.grad) for name, p in model.named_parameters()}
 
+
+def gloo_rank(rank: int, port: int, worker, args: tuple) -> None:
+    """One of ``on_two_gloo_ranks``' processes: joins the group, runs ``worker(rank, *args)``,
+    meets the other rank, then leaves without gloo's teardown, which now and then aborts a
+    process after the work is done ("terminate called without an active exception")."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    worker(rank, *args)
+    dist.barrier()
+    os._exit(0)
+
+
+def on_two_gloo_ranks(worker, *args) -> None:
+    """Runs ``worker(rank, *args)`` (a module-level function) on ranks 0 and 1 of a gloo group
+    of two spawned processes; returns when both are done."""
+    import torch
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.multiprocessing.spawn(gloo_rank, args=(port, worker, args), nprocs=2)

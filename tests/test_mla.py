@@ -3,13 +3,10 @@ shared experts and dense first blocks compute transformers' ``DeepseekV3ForCausa
 same weights; tensor parallel of MLA computes one process's numbers."""
 
 import dataclasses
-import os
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
-from conftest import logits_and_grads, with_biases_and_norms_drawn
+from conftest import logits_and_grads, on_two_gloo_ranks, with_biases_and_norms_drawn
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
@@ -167,18 +164,12 @@ def mla_model(q_lora_rank: int | None) -> Transformer:
     return with_biases_and_norms_drawn(model)
 
 
-def mla_tp_worker(rank: int, port: int, q_lora_rank: int | None, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2)
+def mla_tp_worker(rank: int, q_lora_rank: int | None, out: str) -> None:
     model = mla_model(q_lora_rank)
     apply_tp(model, init_device_mesh("cpu", (2,)), loss_parallel=False)
     logits, grads = logits_and_grads(model)
     if rank == 0:
         torch.save({"logits": logits, "grads": grads}, out)
-    # Tearing gloo down can abort a process at exit ("terminate called without an active
-    # exception"): the ranks meet once more, then leave without it.
-    dist.barrier()
-    os._exit(0)
 
 
 @pytest.mark.parametrize("q_lora_rank", [24, None])
@@ -187,11 +178,8 @@ def test_mla_tensor_parallel_matches_one_process(tmp_path, q_lora_rank):
     # rank, the shared rotary key's gradient summed over the ranks. fp32: the two ranks' partial
     # sums differ from one process's only in order. Logits and the gradient norm within 1e-5;
     # each gradient within 1e-4 of its largest entry (small sums of terms that largely cancel).
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = tmp_path / "tp.pt"
-    torch.multiprocessing.spawn(mla_tp_worker, args=(port, q_lora_rank, str(out)), nprocs=2)
+    on_two_gloo_ranks(mla_tp_worker, q_lora_rank, str(out))
     got = torch.load(out)
     logits, grads = logits_and_grads(mla_model(q_lora_rank))
     assert torch.allclose(got["logits"], logits, rtol=TOLERANCE, atol=TOLERANCE)

@@ -6,13 +6,11 @@ with it."""
 
 import dataclasses
 import json
-import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import logits_and_grads
+from conftest import logits_and_grads, on_two_gloo_ranks
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -132,9 +130,7 @@ def moe_layers(model: Transformer) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
-def tp_worker(rank: int, port: int, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2)
+def tp_worker(rank: int, out: str) -> None:
     model, mesh = tp_model(), init_device_mesh("cpu", (2,))
     apply_tp(model, mesh, loss_parallel=False)
     split_moe_losses(model, mesh.get_group(), cp=1)  # as dtrain.parallel does under tp
@@ -147,22 +143,14 @@ def tp_worker(rank: int, port: int, out: str) -> None:
         dist.all_reduce(t)
     if rank == 0:
         torch.save({"gates": gates, "stats": stats}, out)
-    dist.barrier()
-    # Results are written. Skip gloo's teardown, which now and then aborts a rank after the
-    # work is done ("terminate called without an active exception"), as distributed_runner.py
-    # does.
-    os._exit(0)
 
 
 def test_tensor_parallel_with_sequence_parallel_matches_one_process(tmp_path):
     # Per-sequence counts summed over the two halves of each sequence: the loss and the gate
     # gradients of one process at 1e-5 (fp32, sums in another order). A large coefficient, so
     # that counts left per rank would move the gradients far past that.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = tmp_path / "tp.pt"
-    torch.multiprocessing.spawn(tp_worker, args=(port, str(out)), nprocs=2)
+    on_two_gloo_ranks(tp_worker, str(out))
     got = torch.load(out)
     model = tp_model()
     logits_and_grads(model)

@@ -2,16 +2,14 @@
 single-process run: equal initial weights, per-step losses and gradient norms within 1e-5
 relative over 6 steps, with gradient accumulation and activation checkpointing."""
 
-import os
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
 from conftest import (
     BASE,
     assert_same_run,
     logits_and_grads,
+    on_two_gloo_ranks,
     run_distributed,
     with_biases_and_norms_drawn,
 )
@@ -90,18 +88,12 @@ def qwen_like_model() -> Transformer:
     return with_biases_and_norms_drawn(model)
 
 
-def qwen_like_tp_worker(rank: int, port: int, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2)
+def qwen_like_tp_worker(rank: int, out: str) -> None:
     model = qwen_like_model()
     apply_tp(model, init_device_mesh("cpu", (2,)), loss_parallel=False)
     logits, grads = logits_and_grads(model)
     if rank == 0:
         torch.save({"logits": logits, "grads": grads}, out)
-    # Tearing gloo down can abort a process at exit ("terminate called without an active
-    # exception"): the ranks meet once more, then leave without it.
-    dist.barrier()
-    os._exit(0)
 
 
 def test_tensor_parallel_of_head_size_biases_and_qk_norm_matches_one_process(tmp_path):
@@ -110,11 +102,8 @@ def test_tensor_parallel_of_head_size_biases_and_qk_norm_matches_one_process(tmp
     # partial sums differ from one process's only in order. Logits and the gradient norm agree
     # within 1e-5; each gradient within 1e-4 of its largest entry, since those of q and k (and
     # their biases and norms) are small sums of terms that largely cancel (seen: 1.5e-5).
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = tmp_path / "tp.pt"
-    torch.multiprocessing.spawn(qwen_like_tp_worker, args=(port, str(out)), nprocs=2)
+    on_two_gloo_ranks(qwen_like_tp_worker, str(out))
     got = torch.load(out)
     logits, grads = logits_and_grads(qwen_like_model())
     assert torch.allclose(got["logits"], logits, rtol=1e-5, atol=1e-5)

@@ -202,9 +202,9 @@ class Transformer(nn.Module):
         rope = self.rope if positions is None else self.rope[positions]
         for layer in self.layers.values():
             h = layer(h, rope)
+        h = self.norm(h) if self.norm is not None else h
         if self.output is None:
             return h if embedded is None else torch.cat([h.unsqueeze(2), embedded], dim=2)
-        h = self.norm(h) if self.norm is not None else h
         if embedded is None or self.mtp is None:
             return self.output(h)
         hidden = [h]
