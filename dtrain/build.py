@@ -26,7 +26,7 @@ from dtrain.data.tokenizer import Tokenizer, padded_vocab_size
 from dtrain.lr_schedule import LRSchedule
 from dtrain.metrics import model_flops_per_token
 from dtrain.model_shape import describe_shape, model_args_of
-from dtrain.models import Transformer
+from dtrain.models import LlamaArgs, Transformer
 from dtrain.mtp import with_mtp
 from dtrain.optim import build_optimizer
 from dtrain.parallel import ParallelDims, describe_parallelize, inductor_options, parallelize
@@ -169,7 +169,7 @@ def build_model(cfg: Config, dims: ParallelDims, mesh: DeviceMesh | None, device
                       all_gather, features)
 
 
-def build_loss(cfg: Config, dims: ParallelDims, device: torch.device, args,
+def build_loss(cfg: Config, dims: ParallelDims, device: torch.device, args: LlamaArgs,
                tokens_per_step: int, groups: list[dist.ProcessGroup]):
     """The run's summed token loss ``(logits, labels) -> loss``: dtrain's fused kernel on CUDA,
     else PyTorch's (compiled under compile); with loss parallel (vocabulary-sharded logits

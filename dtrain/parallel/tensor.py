@@ -16,6 +16,9 @@ DeepSeek's latent attention (``dtrain.models.mla``) splits its heads from the up
 ``wq_a`` and ``wkv_a`` and the latent norms stay whole on every rank and compute on the gathered
 sequence, so their gradients come out whole: the column-parallel inputs sum theirs over the
 ranks, and the rotary key all heads share gets its sum from ``SharedRopeKey``.
+
+Multi-token prediction depths (``dtrain.models.mtp``) take a block's plan for their block; their
+norms and projection run on the sequence shard with replicated weights (``mtp_depth_plan``).
 """
 
 from __future__ import annotations
@@ -74,16 +77,17 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, loss_parallel: bool,
     otherwise it returns full logits as a plain tensor. ``float8``: see ``block_plan``."""
     parallelize_module(model, tp_mesh, top_plan(model, loss_parallel, float8))
     for depth in model.mtp.values() if model.mtp is not None else ():
-        parallelize_module(depth, tp_mesh, MTP_PLAN)
+        parallelize_module(depth, tp_mesh, mtp_depth_plan())
     for block in model.blocks():
         parallelize_module(block, tp_mesh, block_plan(block, float8))
 
 
-# A multi-token prediction depth around its block: everything per token on the sequence shard,
-# the weights replicated (their gradients summed over the ranks by DTensor).
-MTP_PLAN: dict[str, ParallelStyle] = {
-    "enorm": SequenceParallel(), "hnorm": SequenceParallel(),
-    "proj": SequenceParallel(use_local_output=True), "norm": SequenceParallel()}
+def mtp_depth_plan() -> dict[str, ParallelStyle]:
+    """The TP plan of a multi-token prediction depth around its block (which takes
+    ``block_plan``): its norms and projection run per token on the sequence shard with their
+    weights replicated, the gradients summed over the ranks by DTensor."""
+    return {"enorm": SequenceParallel(), "hnorm": SequenceParallel(),
+            "proj": SequenceParallel(use_local_output=True), "norm": SequenceParallel()}
 
 
 def top_plan(model: Transformer, loss_parallel: bool,
