@@ -170,12 +170,12 @@ def _schedule(flag: str, value: str, out: Translation) -> bool:
     elif flag == "--fp8-format":
         keys["fp8.enabled"] = True
     elif flag == "--fp8-recipe":
-        if value in ("delayed", "tensorwise"):
+        if value in ("delayed", "tensorwise", "blockwise"):
             keys["fp8.backend"], keys["fp8.recipe"] = ("te", "delayed") if value == "delayed" \
-                else ("torchao", "tensorwise")
+                else ("torchao", value)
         else:
-            out.unmapped.append(f"{flag} {value}: dtrain's FP8 recipes are tensorwise, rowwise "
-                                "(torchao) and delayed, current (Transformer Engine)")
+            out.unmapped.append(f"{flag} {value}: dtrain's FP8 recipes are tensorwise, rowwise, "
+                                "blockwise (torchao) and delayed, current (Transformer Engine)")
     elif flag == "--fp16":
         out.unmapped.append(f"{flag}: dtrain computes in bf16 (training.mixed_precision)")
     elif flag == "--save":

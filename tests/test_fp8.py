@@ -60,7 +60,8 @@ def test_each_backend_accepts_its_recipes(backend, recipe):
 
 
 @pytest.mark.parametrize("backend, recipe, allowed", [
-    ("torchao", "delayed", "tensorwise, rowwise"), ("torchao", "current", "tensorwise, rowwise"),
+    ("torchao", "delayed", "tensorwise, rowwise, blockwise"),
+    ("torchao", "current", "tensorwise, rowwise, blockwise"),
     ("te", "tensorwise", "delayed, current"), ("te", "rowwise", "delayed, current")])
 def test_a_recipe_of_the_other_backend_is_refused(backend, recipe, allowed):
     with pytest.raises(ConfigError, match=rf"^fp8.recipe = '{recipe}' is not a recipe of "
@@ -87,8 +88,8 @@ def test_torchao_fp8_without_compile_warns_once_and_names_the_fix(changes, warns
 
 
 def test_unknown_recipe_lists_choices():
-    with pytest.raises(ConfigError, match="fp8.recipe = 'blockwise' is not a valid choice"):
-        load_config(overrides=["fp8.recipe=blockwise"])
+    with pytest.raises(ConfigError, match="fp8.recipe = 'mxfp8' is not a valid choice"):
+        load_config(overrides=["fp8.recipe=mxfp8"])
 
 
 @pytest.mark.parametrize("typed", ["output,layers.0.*", '["output", "layers.0.*"]',

@@ -172,3 +172,12 @@ def test_the_load_balancing_type_maps_onto_moe_aux_loss_type(tmp_path, value, ke
     # the recipe's key is the [model] section's; without one, Megatron's aux_loss is the default
     expected = keys.get("model.moe_aux_loss_type", "preset")
     assert load_config(path).model.moe_aux_loss_type == expected
+
+
+@pytest.mark.parametrize("recipe, keys", [
+    ("blockwise", ("torchao", "blockwise")), ("tensorwise", ("torchao", "tensorwise")),
+    ("delayed", ("te", "delayed"))])
+def test_megatron_s_fp8_recipes_map_onto_a_backend_and_recipe(recipe, keys):
+    out = translate(Command(["--fp8-format", "hybrid", "--fp8-recipe", recipe]))
+    assert out.unmapped == []
+    assert (out.keys["fp8.backend"], out.keys["fp8.recipe"]) == keys

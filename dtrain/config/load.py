@@ -69,12 +69,16 @@ def check_ranges(cfg: Config) -> None:
     _check_fp8(cfg.fp8)
 
 
-FP8_RECIPES = {"torchao": ("tensorwise", "rowwise"), "te": ("delayed", "current")}
+FP8_RECIPES = {"torchao": ("tensorwise", "rowwise", "blockwise"), "te": ("delayed", "current")}
 
 
 def _check_fp8(cfg: FP8Config) -> None:
     """The recipe must be one of the backend's."""
     recipes = FP8_RECIPES[cfg.backend]
+    if cfg.recipe == "blockwise" and cfg.backend == "te":
+        raise ConfigError("fp8.recipe = 'blockwise' is torchao's (Transformer Engine's "
+                          "Float8BlockScaling is not wired in): set fp8.backend = 'torchao', or "
+                          f"use one of {', '.join(recipes)}")
     if cfg.recipe not in recipes:
         raise ConfigError(f"fp8.recipe = '{cfg.recipe}' is not a recipe of fp8.backend = "
                           f"'{cfg.backend}': use one of {', '.join(recipes)}")

@@ -276,9 +276,12 @@ class FP8Config:
     Blackwell)."""
     backend: Literal["torchao", "te"] = "torchao"
     """torchao float8 (pip install dtrain[fp8]) or Transformer Engine (pip install dtrain[te])."""
-    recipe: Literal["tensorwise", "rowwise", "delayed", "current"] = "tensorwise"
-    """Scaling. torchao: tensorwise (fastest; FP8 all-gather under FSDP) or rowwise (one scale
-    per row, more accurate); te: delayed (scales from an amax history) or current."""
+    recipe: Literal["tensorwise", "rowwise", "blockwise", "delayed", "current"] = "tensorwise"
+    """Scaling. torchao: tensorwise (fastest; FP8 all-gather under FSDP), rowwise (one scale
+    per row, more accurate) or blockwise (DeepSeek-V3's: activations and gradients in 1x128
+    tiles, weights in 128x128 blocks, a scale each, e4m3 throughout; Hopper; linears whose
+    widths are multiples of 128; without TP, FP8 all-gather or FP8 experts); te: delayed
+    (scales from an amax history) or current."""
     filter_fqns: list[str] = field(default_factory=lambda: ["output"])
     """Linear layers kept in bf16: module names, dotted suffixes or globs (output,
     feed_forward.w2, layers.0.*). Layers whose dimensions are not multiples of 16 stay too.
@@ -288,7 +291,7 @@ class FP8Config:
     (docs/benchmarks.md). On the command line: ``output,layers.0.*`` or ``'["output"]'``."""
     fsdp_float8_all_gather: bool = True
     """torchao tensorwise under FSDP: all-gather weights in FP8, with their scales computed in
-    one all-reduce after each optimizer step."""
+    one all-reduce after each optimizer step. Set it false for blockwise under FSDP."""
     fused_weight_cast: bool = True
     """With FP8 all-gather: cast each weight shard to FP8 in one compiled kernel (the same bytes
     as torchao's three eager kernels; replaces torchao's method for the whole process)."""
@@ -302,10 +305,12 @@ class FP8Config:
     experts: bool = True
     """torchao: the MoE experts' grouped GEMMs in FP8 too (the forward and input-gradient
     products; rowwise scales whatever the recipe; each expert's tokens padded to a multiple of
-    16 rows on the device). Transformer Engine leaves the experts in bf16."""
+    16 rows on the device). Transformer Engine leaves the experts in bf16; blockwise has no FP8
+    experts yet: set it false there."""
     emulate: bool = False
     """torchao only: compute the FP8 matmuls in high precision, so the FP8 path (casts, scales,
-    FP8 all-gather) runs on any device, the CPU included; for testing, not for speed."""
+    FP8 all-gather) runs on any device, the CPU included; for testing, not for speed. Blockwise
+    is emulated by dtrain (the same tiles, blocks and scales; fp32 products)."""
 
 
 @dataclass

@@ -12,6 +12,11 @@ step (``precompute_fp8_scales``); under TP its activations are cast before the a
 Transformer Engine (``fp8.backend = "te"``): ``nn.Linear`` becomes ``te.Linear`` and each forward
 of the model runs under ``te.fp8_autocast`` with the delayed or current scaling recipe.
 
+``blockwise`` (torchao, ``dtrain.parallel.fp8_blockwise``) is DeepSeek-V3's recipe: activations
+and gradients in 1x128 tiles, weights in 128x128 blocks, each with its own scale, e4m3
+throughout; it takes linears of whole blocks only and runs without TP, FP8 all-gather and FP8
+experts (``fp8.experts = false`` keeps them in bf16).
+
 With torchao, the MoE experts' grouped GEMMs run in FP8 as well (``fp8.experts``: rowwise
 scales, ``dtrain.models.grouped_gemm``); Transformer Engine leaves them in bf16. DeepSeek-V3's
 layers take the same rules: latent attention's projections are plain linears, its shared expert
@@ -39,6 +44,12 @@ from torch import nn
 from dtrain.config import ConfigError, FP8Config
 from dtrain.hooks import StepHook
 from dtrain.models.moe import GroupedExperts, Router
+from dtrain.parallel.fp8_blockwise import (
+    blockwise_filter,
+    check_blockwise,
+    convert_to_blockwise,
+    describe_blockwise,
+)
 
 
 def require_backend(backend: str):
@@ -68,7 +79,10 @@ def require_backend(backend: str):
 def check_fp8(cfg: FP8Config, device: torch.device | None, tp: int) -> None:
     """Refuses FP8 where it cannot run: off CUDA, on GPUs older than compute capability 8.9
     (unless emulated), without the backend installed, and TE with tensor parallel.
-    ``device`` None (a dry run, planning for GPUs it does not have) skips the device's checks."""
+    ``device`` None (a dry run, planning for GPUs it does not have) skips the device's checks.
+    The blockwise recipe's own refusals: ``fp8_blockwise.check_blockwise``."""
+    if cfg.recipe == "blockwise":
+        check_blockwise(cfg, device, tp)
     if cfg.emulate:
         if cfg.backend != "torchao":
             raise ConfigError("fp8.emulate = true is a torchao option: set fp8.backend = "
@@ -143,11 +157,16 @@ def convert_to_fp8(model: nn.Module, cfg: FP8Config,
     matmuls in high precision, for machines without FP8 units. Returns the names of the
     converted linear layers, of the layers kept as they were (linears, and with ``fp8.experts``
     the MoE experts modules whose widths FP8 cannot take) and of the experts modules whose
-    grouped GEMMs run in FP8."""
+    grouped GEMMs run in FP8. The blockwise recipe converts linears of whole 128x128 blocks
+    and keeps every experts module (``fp8_blockwise.convert_to_blockwise``)."""
     convert = fp8_filter(model, cfg.filter_fqns)
+    if cfg.recipe == "blockwise":
+        convert = blockwise_filter(convert)
     linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     converted = [name for name, m in linears if convert(m, name)]
     kept = [name for name, m in linears if not convert(m, name)]
+    if cfg.recipe == "blockwise":
+        return converted, kept + convert_to_blockwise(model, cfg, fsdp, convert), []
     backend = require_backend(cfg.backend)
     experts: list[str] = []
     if cfg.backend == "torchao":
@@ -331,16 +350,19 @@ def describe_fp8(cfg: FP8Config, layers: tuple[list[str], list[str], list[str]],
     converted linears, kept layers, MoE layers whose experts are FP8): what runs in FP8, and
     each kind of layer kept in bf16 (``kept_summary``)."""
     converted, kept, experts = layers
-    return (f"fp8: {cfg.backend} {cfg.recipe}{' with FP8 all-gather' if all_gather else ''} | "
+    blockwise = cfg.recipe == "blockwise"
+    recipe = describe_blockwise(cfg) if blockwise else cfg.recipe
+    return (f"fp8: {cfg.backend} {recipe}{' with FP8 all-gather' if all_gather else ''} | "
             f"{len(converted)} linear layers in FP8"
             + (f", the experts of {len(experts)} MoE layers (rowwise)" if experts else "")
-            + f" | kept in bf16: {kept_summary(kept, cfg.filter_fqns) or 'none'}")
+            + f" | kept in bf16: {kept_summary(kept, cfg.filter_fqns, blockwise) or 'none'}")
 
 
-def kept_summary(kept: Sequence[str], filter_fqns: Sequence[str]) -> str:
+def kept_summary(kept: Sequence[str], filter_fqns: Sequence[str], blockwise: bool = False) -> str:
     """``kept`` (layer names) by kind and why, the blocks' (and multi-token prediction depths')
     layers under one pattern with their number: "layers.*.attention.wkv_a x2 (widths not
-    multiples of 16, or a shared weight), output (fp8.filter_fqns)"."""
+    multiples of 16, or a shared weight), output (fp8.filter_fqns)". ``blockwise``: the
+    blockwise recipe's reasons (whole 128x128 blocks, no bias, no FP8 experts)."""
     kinds: dict[tuple[str, str], int] = {}
     for name in kept:
         if any(_matches(name, pattern) for pattern in filter_fqns):
@@ -348,7 +370,9 @@ def kept_summary(kept: Sequence[str], filter_fqns: Sequence[str]) -> str:
         elif name.endswith("router.gate"):
             why = "MoE router"
         elif name.endswith("experts"):
-            why = "widths not multiples of 16"
+            why = "no blockwise FP8 experts yet" if blockwise else "widths not multiples of 16"
+        elif blockwise:
+            why = "widths not multiples of 128, a bias, or a shared weight"
         else:
             why = "widths not multiples of 16, or a shared weight"
         kind = (re.sub(r"^(layers|mtp)\.\d+\.", r"\1.*.", name), why)
