@@ -17,7 +17,7 @@ from dtrain.config import ConfigError, FP8Config
 from dtrain.models import build
 from dtrain.models.moe import GroupedExperts
 from dtrain.parallel import fp8 as fp8_module
-from dtrain.parallel.fp8 import check_fp8, convert_to_fp8, describe_fp8
+from dtrain.parallel.fp8 import check_fp8, convert_to_fp8, describe_fp8, fp8_all_gather
 from dtrain.parallel.fp8_blockwise import (
     BlockwiseLinear,
     blockwise_linear,
@@ -353,24 +353,17 @@ def test_the_cpu_without_emulation_is_refused_as_for_every_recipe():
         check_fp8(blockwise(emulate=False), torch.device("cpu"), tp=1)
 
 
-def test_fp8_all_gather_under_fsdp_is_refused():
-    with pytest.raises(ConfigError, match=(
-            r"^fp8.recipe = 'blockwise' gathers its weights in high precision under FSDP "
-            r"\(FP8 all-gather is tensorwise's\): set fp8.fsdp_float8_all_gather = false$")):
-        convert_to_fp8(build("llama3_debug", device="meta"), blockwise(), fsdp=True)
+def test_under_fsdp_the_weights_are_gathered_in_high_precision():
+    # FP8 all-gather is tensorwise's (as for rowwise): its default does not apply here.
     model = build("llama3_debug", device="meta")
-    converted, _, _ = convert_to_fp8(model, blockwise(fsdp_float8_all_gather=False), fsdp=True)
+    converted, _, _ = convert_to_fp8(model, blockwise(), fsdp=True)
     assert len(converted) == 16
-    convert_to_fp8(build("llama3_debug", device="meta"), blockwise(), fsdp=False)
+    assert not fp8_all_gather(blockwise(), fsdp=True)
 
 
-def test_fp8_experts_are_refused_and_without_them_the_experts_stay_and_are_named():
-    with pytest.raises(ConfigError, match=(
-            r"^fp8.recipe = 'blockwise' has no FP8 grouped GEMMs for the MoE experts yet: set "
-            r"fp8.experts = false \(they stay in bf16\), or use fp8.recipe = 'rowwise'$")):
-        convert_to_fp8(build("mixtral_debug", device="meta"), blockwise(), fsdp=False)
+def test_the_experts_stay_in_bf16_and_are_named():
     model = build("mixtral_debug", device="meta", n_layers=2)
-    cfg = blockwise(experts=False)
+    cfg = blockwise()  # fp8.experts = true, the default: no blockwise grouped GEMMs to take it
     layers = convert_to_fp8(model, cfg, fsdp=False)
     converted, kept, experts = layers
     assert converted == [f"layers.{i}.attention.{n}" for i in range(2) for n in ATTENTION]
@@ -385,8 +378,7 @@ def test_fp8_experts_are_refused_and_without_them_the_experts_stay_and_are_named
 
 # ---- (f) FSDP ------------------------------------------------------------------------------
 
-FSDP_RUN = {**BASE, "fp8.enabled": True, "fp8.recipe": "blockwise", "fp8.emulate": True,
-            "fp8.fsdp_float8_all_gather": False}
+FSDP_RUN = {**BASE, "fp8.enabled": True, "fp8.recipe": "blockwise", "fp8.emulate": True}
 
 
 def test_two_fsdp_processes_train_as_one(tmp_path):

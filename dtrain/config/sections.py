@@ -291,7 +291,7 @@ class FP8Config:
     (docs/benchmarks.md). On the command line: ``output,layers.0.*`` or ``'["output"]'``."""
     fsdp_float8_all_gather: bool = True
     """torchao tensorwise under FSDP: all-gather weights in FP8, with their scales computed in
-    one all-reduce after each optimizer step. Set it false for blockwise under FSDP."""
+    one all-reduce after each optimizer step (the other recipes gather in high precision)."""
     fused_weight_cast: bool = True
     """With FP8 all-gather: cast each weight shard to FP8 in one compiled kernel (the same bytes
     as torchao's three eager kernels; replaces torchao's method for the whole process)."""
@@ -305,8 +305,8 @@ class FP8Config:
     experts: bool = True
     """torchao: the MoE experts' grouped GEMMs in FP8 too (the forward and input-gradient
     products; rowwise scales whatever the recipe; each expert's tokens padded to a multiple of
-    16 rows on the device). Transformer Engine leaves the experts in bf16; blockwise has no FP8
-    experts yet: set it false there."""
+    16 rows on the device). Transformer Engine and blockwise leave the experts in bf16 (no
+    blockwise grouped GEMMs yet), said on the start-up line."""
     emulate: bool = False
     """torchao only: compute the FP8 matmuls in high precision, so the FP8 path (casts, scales,
     FP8 all-gather) runs on any device, the CPU included; for testing, not for speed. Blockwise

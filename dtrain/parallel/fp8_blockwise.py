@@ -183,17 +183,11 @@ def convert_to_blockwise(model: nn.Module, cfg: FP8Config, fsdp: bool,
                          convert: Callable[[nn.Module, str], bool]) -> list[str]:
     """Swaps, in place, the linears of ``model`` that ``convert`` (``blockwise_filter``'s)
     accepts for torchao's ``Float8BlockwiseLinear``, or ``BlockwiseLinear`` where ``emulated``;
-    on a ``meta`` model nothing is allocated. Refuses FP8 all-gather under FSDP (``fsdp``) and
-    FP8 MoE experts. Returns the names of the MoE experts modules, which stay in bf16."""
-    if fsdp and cfg.fsdp_float8_all_gather:
-        raise ConfigError("fp8.recipe = 'blockwise' gathers its weights in high precision under "
-                          "FSDP (FP8 all-gather is tensorwise's): set "
-                          "fp8.fsdp_float8_all_gather = false")
+    on a ``meta`` model nothing is allocated. Under FSDP (``fsdp``) the weights are gathered in
+    high precision and cast in blocks after the gather (``fp8.fsdp_float8_all_gather`` is
+    tensorwise's, as for rowwise). The MoE experts have no blockwise grouped GEMMs: they stay in
+    bf16. Returns the names of the experts modules, for the start-up line."""
     experts = [name for name, m in model.named_modules() if isinstance(m, GroupedExperts)]
-    if experts and cfg.experts:
-        raise ConfigError("fp8.recipe = 'blockwise' has no FP8 grouped GEMMs for the MoE "
-                          "experts yet: set fp8.experts = false (they stay in bf16), or use "
-                          "fp8.recipe = 'rowwise'")
     if not emulated(cfg):
         from torchao.prototype.blockwise_fp8_training.linear import (
             Float8BlockwiseLinearConfig,
