@@ -39,12 +39,19 @@ SAME_KEYPRESS_S = 1.0
 class Preemption:
     """Notes SIGTERM and SIGUSR1, and SIGINT with ``interrupt``, while ``armed`` (the previous
     handlers are restored by ``disarm``); ``requested()`` is the agreed signal's name, or None.
-    ``group``: a CPU (gloo) process group of every rank, None for one process."""
+    ``group``: a CPU (gloo) process group of every rank, None for one process.
+
+    A Ctrl-C that stops at once (without ``interrupt``, or the second one) raises
+    ``KeyboardInterrupt`` wherever the main thread is. Raised inside a finaliser that the
+    garbage collector runs, or a weakref callback, Python prints it as ignored and goes on, and
+    the run would train on: the handler also notes it, and ``stop_if_interrupted`` at the step
+    boundary raises it again."""
 
     def __init__(self, group: dist.ProcessGroup | None, interrupt: bool = False):
         self.group = group
         self.signals = SIGNALS + ((signal.SIGINT,) if interrupt else ())
         self.received = 0
+        self.interrupted = False  # a Ctrl-C that stops at once came
         self._interrupted_at = 0.0
         self._previous: dict[int, object] = {}
 
@@ -53,6 +60,18 @@ class Preemption:
             return  # signal handlers can only be set from the main thread
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._note)
+        if signal.SIGINT not in self.signals:
+            self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._stop_at_once)
+
+    def _stop_at_once(self, signum, frame) -> None:
+        self.interrupted = True
+        raise KeyboardInterrupt
+
+    def stop_if_interrupted(self) -> None:
+        """Raises ``KeyboardInterrupt`` if a Ctrl-C that stops at once came (its own exception
+        may have been lost: see the class docstring)."""
+        if self.interrupted:
+            raise KeyboardInterrupt
 
     def disarm(self) -> None:
         for sig, handler in self._previous.items():
@@ -63,7 +82,7 @@ class Preemption:
         if signum == signal.SIGINT:
             now = time.monotonic()
             if self._interrupted_at and now - self._interrupted_at > SAME_KEYPRESS_S:
-                raise KeyboardInterrupt  # the second Ctrl-C: stop at once
+                self._stop_at_once(signum, frame)  # the second Ctrl-C
             self._interrupted_at = self._interrupted_at or now
         self.received = self.received or signum
 

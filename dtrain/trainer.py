@@ -160,6 +160,7 @@ class Trainer(Run):
                             self.validator.run(self.step)
                     self.watchdog.beat(self.step)
                     progress.update()
+                    self.preemption.stop_if_interrupted()
                     if signal := self.preemption.requested():
                         self._stop_for(signal)
             self.nonfinite.settle()  # a last step's flag, read before the run counts as done

@@ -9,6 +9,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -302,6 +303,33 @@ def test_ctrl_c_without_checkpoints_is_one_line_and_exit_130(tmp_path):
     assert errors(result.stderr) == [
         "error: interrupted (Ctrl-C): stopped at once; nothing was saved since the last "
         "checkpoint (exit code 130)"]
+
+
+class InterruptsWhenCollected:
+    """Sends this process a SIGINT from its finaliser: Python raises the KeyboardInterrupt
+    inside the finaliser, prints it as ignored and goes on."""
+
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.01)  # the handler runs here, in the finaliser
+
+
+def test_a_ctrl_c_lost_in_a_finaliser_still_stops_at_the_step_boundary(tmp_path, monkeypatch):
+    lost = []  # what Python reports as ignored ("Exception ignored in ...")
+    monkeypatch.setattr(sys, "unraisablehook", lambda raised: lost.append(raised.exc_type))
+    run = trainer(tmp_path, 10, **{"checkpoint.enabled": False})
+    block = next(iter(run.model.layers.values()))
+
+    def collect_at_step_3(*args):
+        if run.step == 2 and not lost:  # step 3's first forward
+            InterruptsWhenCollected()  # collected at once: its finaliser runs here
+
+    handle = block.register_forward_hook(collect_at_step_3)
+    with pytest.raises(KeyboardInterrupt):
+        run.train()
+    handle.remove()
+    assert lost == [KeyboardInterrupt]  # Python lost the Ctrl-C's own exception
+    assert run.step == 3  # the step finished, the next never began
 
 
 def test_a_second_ctrl_c_stops_at_once(tmp_path):
