@@ -75,16 +75,16 @@ def check_cp(args: LlamaArgs, cp: int, tp: int, seq_len: int, comm_type: str) ->
 
 
 def apply_cp(model: Transformer, cp_mesh: DeviceMesh, comm_type: str, seq_len: int) -> None:
-    """Replaces the core attention of each attention module (the blocks' and the multi-token
-    prediction depths') with context-parallel attention over ``cp_mesh``, with the module's own
+    """Replaces the core attention of each block (``model.blocks()``: the multi-token prediction
+    depths' too) with context-parallel attention over ``cp_mesh``, with the module's own
     kernels and softmax scale, and sets ``model.positions`` to this rank's
     (``load_balanced_positions`` of ``seq_len``): the model rotates its tokens by them, and the
     trainer cuts each batch to them."""
     model.positions = load_balanced_positions(seq_len, cp_mesh.size(), cp_mesh.get_local_rank())
-    for module in model.modules():
-        if hasattr(module, "core_attention"):
-            backends, scale = _core_attention_settings(module)
-            module.core_attention = ContextParallelAttention(cp_mesh, comm_type, backends, scale)
+    for block in model.blocks():
+        backends, scale = _core_attention_settings(block.attention)
+        block.attention.core_attention = ContextParallelAttention(cp_mesh, comm_type, backends,
+                                                                  scale)
 
 
 def _core_attention_settings(attention: nn.Module) -> tuple[list[SDPBackend], float | None]:
