@@ -64,7 +64,7 @@ def validate(cfg: Config, world_size: int, device: torch.device | None) -> Paral
     check_lr_schedule(cfg.lr_schedule, cfg.optimizer.lr)
     _check_validation(cfg, dims)
     if cfg.fp8.enabled:
-        check_fp8(cfg.fp8, device, dims.tp)
+        check_fp8(cfg.fp8, device, dims.tp, tcfg.micro_batch_size * tcfg.seq_len // dims.cp)
     return dims
 
 

@@ -17,6 +17,7 @@ from dtrain.config import ConfigError, FP8Config
 from dtrain.models import build
 from dtrain.models.moe import GroupedExperts
 from dtrain.parallel import fp8 as fp8_module
+from dtrain.parallel import fp8_blockwise as blockwise_module
 from dtrain.parallel.fp8 import check_fp8, convert_to_fp8, describe_fp8, fp8_all_gather
 from dtrain.parallel.fp8_blockwise import (
     BlockwiseLinear,
@@ -338,13 +339,37 @@ def test_gpus_older_than_hopper_are_refused_and_hopper_passes(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
     with pytest.raises(ConfigError, match=(
             r"^fp8.recipe = 'blockwise' needs GPUs of compute capability 9.0 or newer "
-            r"\(torchao's blockwise kernels\) but NVIDIA L40S has 8.9: use fp8.recipe = "
+            r"\(cuBLASLt's blockwise GEMMs\) but NVIDIA L40S has 8.9: use fp8.recipe = "
             r"'rowwise'$")):
         check_fp8(blockwise(emulate=False), torch.device("cuda", 0), tp=1)
     check_fp8(blockwise(emulate=False, recipe="rowwise"), torch.device("cuda", 0), tp=1)
     check_fp8(blockwise(), torch.device("cuda", 0), tp=1)  # emulated: any GPU
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    check_fp8(blockwise(emulate=False), torch.device("cuda", 0), tp=1)
+    monkeypatch.setattr(blockwise_module, "blockwise_gemm_works", lambda device: True)
+    check_fp8(blockwise(emulate=False), torch.device("cuda", 0), tp=1, tokens=8192)
+
+
+def test_a_gpu_whose_cublaslt_lacks_blockwise_gemms_is_refused(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    monkeypatch.setattr(fp8_module, "require_backend", lambda backend: None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(blockwise_module, "blockwise_gemm_works", lambda device: False)
+    with pytest.raises(ConfigError, match=(
+            r"^fp8.recipe = 'blockwise' needs cuBLASLt's blockwise-scaled FP8 GEMM .* which "
+            r"does not run on NVIDIA H200 with torch .*: use fp8.recipe = 'rowwise', or "
+            r"fp8.emulate = true to check the numerics$")):
+        check_fp8(blockwise(emulate=False), torch.device("cuda", 0), tp=1)
+
+
+def test_tokens_per_micro_batch_that_are_no_multiple_of_16_are_refused_on_the_gpu(monkeypatch):
+    monkeypatch.setattr(fp8_module, "require_backend", lambda backend: None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(blockwise_module, "blockwise_gemm_works", lambda device: True)
+    with pytest.raises(ConfigError, match=(
+            r"^fp8.recipe = 'blockwise' needs the tokens of a micro-batch \(training.micro_"
+            r"batch_size x training.seq_len / parallel.cp = 1000\) to be a multiple of 16")):
+        check_fp8(blockwise(emulate=False), torch.device("cuda", 0), tp=1, tokens=1000)
+    check_fp8(blockwise(), torch.device("cuda", 0), tp=1, tokens=1000)  # emulated: any count
 
 
 def test_the_cpu_without_emulation_is_refused_as_for_every_recipe():

@@ -12,10 +12,10 @@ step (``precompute_fp8_scales``); under TP its activations are cast before the a
 Transformer Engine (``fp8.backend = "te"``): ``nn.Linear`` becomes ``te.Linear`` and each forward
 of the model runs under ``te.fp8_autocast`` with the delayed or current scaling recipe.
 
-``blockwise`` (torchao, ``dtrain.parallel.fp8_blockwise``) is DeepSeek-V3's recipe: activations
-and gradients in 1x128 tiles, weights in 128x128 blocks, each with its own scale, e4m3
-throughout; it takes linears of whole blocks only and runs without TP, FP8 all-gather and FP8
-experts (``fp8.experts = false`` keeps them in bf16).
+``blockwise`` (``dtrain.parallel.fp8_blockwise``, under the torchao backend's settings; its
+GEMMs are cuBLASLt's) is DeepSeek-V3's recipe: activations and gradients in 1x128 tiles,
+weights in 128x128 blocks, each with its own scale, e4m3 throughout; it takes linears of whole
+blocks only and runs without TP, FP8 all-gather and FP8 experts.
 
 With torchao, the MoE experts' grouped GEMMs run in FP8 as well (``fp8.experts``: rowwise
 scales, ``dtrain.models.grouped_gemm``); Transformer Engine leaves them in bf16. DeepSeek-V3's
@@ -76,13 +76,15 @@ def require_backend(backend: str):
     return module
 
 
-def check_fp8(cfg: FP8Config, device: torch.device | None, tp: int) -> None:
+def check_fp8(cfg: FP8Config, device: torch.device | None, tp: int,
+              tokens: int | None = None) -> None:
     """Refuses FP8 where it cannot run: off CUDA, on GPUs older than compute capability 8.9
     (unless emulated), without the backend installed, and TE with tensor parallel.
     ``device`` None (a dry run, planning for GPUs it does not have) skips the device's checks.
-    The blockwise recipe's own refusals: ``fp8_blockwise.check_blockwise``."""
+    The blockwise recipe's own refusals (``tokens``: of a micro-batch on one rank):
+    ``fp8_blockwise.check_blockwise``."""
     if cfg.recipe == "blockwise":
-        check_blockwise(cfg, device, tp)
+        check_blockwise(cfg, device, tp, tokens)
     if cfg.emulate:
         if cfg.backend != "torchao":
             raise ConfigError("fp8.emulate = true is a torchao option: set fp8.backend = "

@@ -16,17 +16,18 @@ kernels do: the factor ``448 / amax`` in fp64, rounded to fp32, multiplies the v
 to +-448, then cast) and its fp32 reciprocal dequantises. Scales are not rounded to powers of
 two (Transformer Engine's default rounds them; torchao and DeepSeek-V3's report do not).
 
-On a Hopper GPU the linears become torchao's ``Float8BlockwiseLinear`` (its Triton casts and the
-blockwise-scaled GEMMs; its output is bf16). On the CPU, or with ``fp8.emulate``, they become
-``BlockwiseLinear``, which casts the same groups the same way, dequantises and computes the
-three matmuls in fp32: the recipe's numerics, at high-precision speed.
+The linears become ``BlockwiseLinear``. The casts are plain torch code, which Inductor fuses
+into the kernels around them when the blocks are compiled; each of the three products is one
+``dtrain.kernels.blockwise_mm``: on a Hopper GPU cuBLASLt's GEMM, which applies the scales
+inside its sums (``torch._scaled_mm``'s 1x128 / 128x128 scaling, as Transformer Engine's
+``Float8BlockScaling`` on Hopper); on the CPU, or with ``fp8.emulate``, the dequantised operands
+multiplied in fp32: the recipe's numerics, at high-precision speed.
 
 A linear converts when ``fp8_filter`` lets it and both its widths are multiples of 128 (whole
-blocks) and it has no bias (torchao's layer has none); the rest stay in bf16 and the start-up
-line names them. Refused, one line each: tensor parallel (``check_blockwise``), FP8 all-gather
-under FSDP (the weights are gathered in high precision, then cast in blocks) and FP8 MoE experts
-(no blockwise grouped GEMMs yet: ``fp8.experts = false`` keeps them in bf16), both at
-conversion (``convert_to_blockwise``).
+blocks) and it has no bias; the rest stay in bf16 and the start-up line names them. Tensor
+parallel is refused (``check_blockwise``). Under FSDP the weights are gathered in high
+precision, then cast in blocks (FP8 all-gather is tensorwise's); the MoE experts have no
+blockwise grouped GEMMs yet and stay in bf16 (``convert_to_blockwise``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import torch
 from torch import nn
 
 from dtrain.config import ConfigError, FP8Config
+from dtrain.kernels.blockwise_mm import blockwise_gemm_works, blockwise_mm, dequantize
 from dtrain.models.moe import GroupedExperts
 
 BLOCK = 128
@@ -62,11 +64,6 @@ def quantize_tiles(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return bits.view(rows, -1)[:, :cols], scales.squeeze(-1)
 
 
-def dequantize_tiles(bits: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``quantize_tiles``' values back in fp32."""
-    return bits.float() * scales.repeat_interleave(BLOCK, dim=1)[:, :bits.shape[1]]
-
-
 def quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``w`` (rows, cols) in 128x128 blocks: the e4m3 values (rows, cols) and one fp32 scale per
     block (ceil(rows / 128), ceil(cols / 128))."""
@@ -77,69 +74,73 @@ def quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return bits.view(padded.shape)[:rows, :cols], scales[:, 0, :, 0]
 
 
+def dequantize_tiles(bits: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``quantize_tiles``' values back in fp32."""
+    return dequantize(bits, scales)
+
+
 def dequantize_blocks(bits: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """``quantize_blocks``' values back in fp32."""
-    rows, cols = bits.shape
-    full = scales.repeat_interleave(BLOCK, dim=0).repeat_interleave(BLOCK, dim=1)
-    return bits.float() * full[:rows, :cols]
-
-
-def _tiles(t: torch.Tensor) -> torch.Tensor:
-    return dequantize_tiles(*quantize_tiles(t))
-
-
-def _blocks(w: torch.Tensor) -> torch.Tensor:
-    return dequantize_blocks(*quantize_blocks(w))
+    return dequantize(bits, scales)
 
 
 class _BlockwiseMatmul(torch.autograd.Function):
     """``x W^T`` and its gradients, every operand cast as the recipe says (module docstring),
-    the products in fp32 (autocast off inside: it would round the dequantised operands)."""
+    each product one ``blockwise_mm`` (cuBLASLt's blockwise GEMM, or the dequantised product in
+    fp32 where ``emulate``). The weight is cast again in the backward rather than kept: its FP8
+    copy would live from each micro-batch's forward to its backward."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor,
-                out_dtype: torch.dtype) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype,
+                emulate: bool) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
-        with torch.autocast(x.device.type, enabled=False):
-            out = _tiles(x.reshape(-1, x.shape[-1])) @ _blocks(weight).t()
-        return out.to(out_dtype).reshape(*x.shape[:-1], weight.shape[0])
+        ctx.emulate = emulate
+        tokens = x.reshape(-1, x.shape[-1])
+        out = blockwise_mm(*quantize_tiles(tokens), *quantize_blocks(weight), out_dtype, emulate)
+        return out.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         x, weight = ctx.saved_tensors
         dy = grad_out.reshape(-1, grad_out.shape[-1])
         grad_x = grad_w = None
-        with torch.autocast(x.device.type, enabled=False):
-            if ctx.needs_input_grad[0]:
-                grad_x = (_tiles(dy) @ _blocks(weight)).to(x.dtype).reshape(x.shape)
-            if ctx.needs_input_grad[1]:  # tiles along the tokens, the sum's dimension
-                tokens = x.reshape(-1, x.shape[-1]).t()
-                grad_w = (_tiles(dy.t()) @ _tiles(tokens).t()).to(weight.dtype)
-        return grad_x, grad_w, None
+        if ctx.needs_input_grad[0]:  # dy W: W^T's blocks are W's, transposed
+            bits, scales = quantize_blocks(weight)
+            grad_x = blockwise_mm(*quantize_tiles(dy), bits.t(), scales.t(), x.dtype,
+                                  ctx.emulate).reshape(x.shape)
+        if ctx.needs_input_grad[1]:  # dy^T x: tiles along the tokens, the sum's dimension
+            tokens = x.reshape(-1, x.shape[-1]).t()
+            grad_w = blockwise_mm(*quantize_tiles(dy.t()), *quantize_tiles(tokens),
+                                  weight.dtype, ctx.emulate)
+        return grad_x, grad_w, None, None
 
 
-def blockwise_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``F.linear(x, weight)`` (no bias) with the recipe's FP8 operands, emulated: ``x`` (...,
-    in), ``weight`` (out, in). The output is in autocast's dtype where autocast is on (as
-    torchao's bf16 output), else in ``x``'s; the gradients in their inputs' dtypes."""
+def blockwise_linear(x: torch.Tensor, weight: torch.Tensor, emulate: bool = True) -> torch.Tensor:
+    """``F.linear(x, weight)`` (no bias) with the recipe's FP8 operands: ``x`` (..., in),
+    ``weight`` (out, in); emulated (fp32 products) unless ``emulate`` is false and the GPU runs
+    cuBLASLt's blockwise GEMM. The output is in autocast's dtype where autocast is on, else in
+    ``x``'s; the gradients in their inputs' dtypes."""
     device = x.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-    return _BlockwiseMatmul.apply(x, weight, dtype)
+    return _BlockwiseMatmul.apply(x, weight, dtype, emulate)
 
 
 class BlockwiseLinear(nn.Linear):
-    """An ``nn.Linear`` without bias computed by ``blockwise_linear``: the emulated stand-in
-    for torchao's ``Float8BlockwiseLinear`` (the CPU, ``fp8.emulate``). Its weight is the
-    original layer's parameter; the state dict is a plain linear's."""
+    """An ``nn.Linear`` without bias computed by ``blockwise_linear``, emulated where
+    ``emulate`` (the CPU, ``fp8.emulate``). Its weight is the original layer's parameter; the
+    state dict is a plain linear's."""
+
+    emulate: bool = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return blockwise_linear(x, self.weight)
+        return blockwise_linear(x, self.weight, self.emulate)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> BlockwiseLinear:
+    def from_linear(cls, linear: nn.Linear, emulate: bool = True) -> BlockwiseLinear:
         with torch.device("meta"):
             new = cls(linear.in_features, linear.out_features, bias=False)
         new.weight = linear.weight
+        new.emulate = emulate
         return new
 
 
@@ -156,14 +157,16 @@ def blockwise_filter(convert: Callable[[nn.Module, str], bool]
 
 
 def emulated(cfg: FP8Config) -> bool:
-    """Whether the blockwise linears are dtrain's emulation: asked for, or no CUDA (torchao's
-    kernels are Triton's, GPU only)."""
+    """Whether the blockwise products are emulated (fp32): asked for, or no CUDA."""
     return cfg.emulate or not torch.cuda.is_available()
 
 
-def check_blockwise(cfg: FP8Config, device: torch.device | None, tp: int) -> None:
-    """Refuses the blockwise recipe under tensor parallel and, unless emulated, on CUDA GPUs
-    older than Hopper (torchao's blockwise GEMMs need compute capability 9.0). Off CUDA,
+def check_blockwise(cfg: FP8Config, device: torch.device | None, tp: int,
+                    tokens: int | None = None) -> None:
+    """Refuses the blockwise recipe under tensor parallel and, unless emulated: on CUDA GPUs
+    older than Hopper, where cuBLASLt's blockwise GEMM does not run (``blockwise_gemm_works``),
+    and with ``tokens`` per micro-batch (on this rank: micro-batch x seq / cp) that are no
+    multiple of 16 (the weight gradient's sum runs over them). Off CUDA,
     ``dtrain.parallel.fp8.check_fp8`` refuses it without ``fp8.emulate``."""
     if tp > 1:
         raise ConfigError("fp8.recipe = 'blockwise' runs without tensor parallel (its linears "
@@ -174,36 +177,42 @@ def check_blockwise(cfg: FP8Config, device: torch.device | None, tp: int) -> Non
     capability = torch.cuda.get_device_capability(device)
     if capability < (9, 0):
         raise ConfigError(f"fp8.recipe = 'blockwise' needs GPUs of compute capability 9.0 or "
-                          f"newer (torchao's blockwise kernels) but "
+                          f"newer (cuBLASLt's blockwise GEMMs) but "
                           f"{torch.cuda.get_device_name(device)} has "
                           f"{capability[0]}.{capability[1]}: use fp8.recipe = 'rowwise'")
+    if not blockwise_gemm_works(device):
+        raise ConfigError(f"fp8.recipe = 'blockwise' needs cuBLASLt's blockwise-scaled FP8 "
+                          f"GEMM (torch._scaled_mm with 1x128 and 128x128 scales: Hopper, CUDA "
+                          f"12.9 or newer), which does not run on "
+                          f"{torch.cuda.get_device_name(device)} with torch {torch.__version__} "
+                          f"(CUDA {torch.version.cuda}): use fp8.recipe = 'rowwise', or "
+                          f"fp8.emulate = true to check the numerics")
+    if tokens is not None and tokens % 16:
+        raise ConfigError(f"fp8.recipe = 'blockwise' needs the tokens of a micro-batch "
+                          f"(training.micro_batch_size x training.seq_len / parallel.cp = "
+                          f"{tokens}) to be a multiple of 16 (the weight gradient's FP8 GEMM "
+                          f"sums over them): change training.seq_len")
 
 
 def convert_to_blockwise(model: nn.Module, cfg: FP8Config, fsdp: bool,
                          convert: Callable[[nn.Module, str], bool]) -> list[str]:
     """Swaps, in place, the linears of ``model`` that ``convert`` (``blockwise_filter``'s)
-    accepts for torchao's ``Float8BlockwiseLinear``, or ``BlockwiseLinear`` where ``emulated``;
-    on a ``meta`` model nothing is allocated. Under FSDP (``fsdp``) the weights are gathered in
+    accepts for ``BlockwiseLinear`` (emulated where ``emulated``); on a ``meta`` model nothing
+    is allocated. Under FSDP (``fsdp``) the weights are gathered in
     high precision and cast in blocks after the gather (``fp8.fsdp_float8_all_gather`` is
     tensorwise's, as for rowwise). The MoE experts have no blockwise grouped GEMMs: they stay in
     bf16. Returns the names of the experts modules, for the start-up line."""
     experts = [name for name, m in model.named_modules() if isinstance(m, GroupedExperts)]
-    if not emulated(cfg):
-        from torchao.prototype.blockwise_fp8_training.linear import (
-            Float8BlockwiseLinearConfig,
-        )
-        from torchao.quantization import quantize_
-
-        quantize_(model, Float8BlockwiseLinearConfig(), filter_fn=convert)
-        return experts
+    emulate = emulated(cfg)
     for name, module in list(model.named_modules()):
         if convert(module, name):
             parent_name, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent_name), child, BlockwiseLinear.from_linear(module))
+            setattr(model.get_submodule(parent_name), child,
+                    BlockwiseLinear.from_linear(module, emulate))
     return experts
 
 
 def describe_blockwise(cfg: FP8Config) -> str:
     """The recipe's words on the start-up line."""
     return ("blockwise (e4m3, 1x128 activation and gradient tiles, 128x128 weight blocks"
-            + (", emulated)" if emulated(cfg) else ")"))
+            + (", emulated)" if emulated(cfg) else ", cuBLASLt)"))

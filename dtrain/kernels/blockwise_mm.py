@@ -1,0 +1,108 @@
+"""``a @ b^T`` of two float8 e4m3 matrices scaled in small groups (DeepSeek-V3's blockwise FP8):
+``a`` (M, K) in 1x128 tiles along K, one fp32 scale per tile (M, ceil(K / 128)); ``b`` (N, K)
+either in the same tiles (N, ceil(K / 128)) or in 128x128 blocks (ceil(N / 128), ceil(K / 128)).
+Scales dequantise (value = bits x scale).
+
+On a Hopper GPU one cuBLASLt GEMM applies the scales inside its sums (``torch._scaled_mm``'s
+1x128 / 128x128 scaling, CUDA 12.9 or newer): the product costs what a tensorwise FP8 GEMM
+does, where a Triton GEMM that rescales in software is slower. Elsewhere, or with ``emulate``,
+the operands are dequantised and multiplied in fp32 (the same numbers up to the order of the
+sums). ``blockwise_gemm_works(device)`` says whether the GPU path runs on a device, checked once
+against the dequantised product.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+BLOCK = 128
+
+
+def dequantize(bits: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """fp32 values of ``bits`` (rows, cols) and their scales, one per 1x128 tile (rows,
+    ceil(cols / 128)) or per 128x128 block (ceil(rows / 128), ceil(cols / 128)): the scales'
+    first dimension says which."""
+    rows, cols = bits.shape
+    full = scales.repeat_interleave(BLOCK, dim=1)
+    if scales.shape[0] != rows:  # blocks
+        full = full.repeat_interleave(BLOCK, dim=0)
+    return bits.float() * full[:rows, :cols]
+
+
+def _check(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor,
+           b_scales: torch.Tensor) -> None:
+    (m, k), (n, k_b) = a.shape, b.shape
+    tiles = -(-k // BLOCK)
+    if a.dtype != torch.float8_e4m3fn or b.dtype != torch.float8_e4m3fn or k != k_b:
+        raise ValueError(f"blockwise_mm multiplies e4m3 (M, K) by e4m3 (N, K): got {a.dtype} "
+                         f"{tuple(a.shape)} and {b.dtype} {tuple(b.shape)}")
+    if tuple(a_scales.shape) != (m, tiles) or b_scales.shape[1] != tiles or \
+            b_scales.shape[0] not in (n, -(-n // BLOCK)):
+        raise ValueError(f"blockwise_mm's scales do not match its operands: a {tuple(a.shape)} "
+                         f"with {tuple(a_scales.shape)}, b {tuple(b.shape)} with "
+                         f"{tuple(b_scales.shape)}")
+
+
+def _scaled_mm(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
+               out_dtype: torch.dtype) -> torch.Tensor:
+    """cuBLASLt's blockwise product through ``torch._scaled_mm``, whose layouts are: ``a``
+    row-major with its tile scales outer-dim-major (column-major); the right operand (K, N)
+    column-major, its tile scales (ceil(K / 128), N) row-major, or its block scales (ceil(K /
+    128), ceil(N / 128)) column-major."""
+    if b_scales.shape[0] == b.shape[0]:  # tiles
+        scale_b = b_scales.t().contiguous()
+    else:
+        scale_b = b_scales.contiguous().t()
+    return torch._scaled_mm(a.contiguous(), b.contiguous().t(),
+                            scale_a=a_scales.t().contiguous().t(), scale_b=scale_b,
+                            out_dtype=out_dtype, use_fast_accum=False)
+
+
+@torch.library.custom_op("dtrain::blockwise_mm", mutates_args=())
+def blockwise_mm(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor,
+                 b_scales: torch.Tensor, out_dtype: torch.dtype, emulate: bool) -> torch.Tensor:
+    """``a @ b^T`` (module docstring) in ``out_dtype``: cuBLASLt's blockwise GEMM on a GPU where
+    it works, else (or with ``emulate``) the dequantised product in fp32. Operands that break
+    the contract raise ``ValueError``; on the GPU path K, N and M must be multiples of 16."""
+    _check(a, a_scales, b, b_scales)
+    if a.is_cuda and not emulate and blockwise_gemm_works(a.device):
+        if a.shape[0] % 16 or a.shape[1] % 16 or b.shape[0] % 16:
+            raise ValueError(f"blockwise FP8 GEMMs need every width a multiple of 16 (cuBLASLt): "
+                             f"got {tuple(a.shape)} x {tuple(b.shape)}; for the weight "
+                             f"gradient this is the tokens of a micro-batch")
+        return _scaled_mm(a, a_scales, b, b_scales, out_dtype)
+    with torch.autocast(a.device.type, enabled=False):
+        return (dequantize(a, a_scales) @ dequantize(b, b_scales).t()).to(out_dtype)
+
+
+@blockwise_mm.register_fake
+def _(a, a_scales, b, b_scales, out_dtype, emulate):
+    return a.new_empty(a.shape[0], b.shape[0], dtype=out_dtype)
+
+
+@functools.cache
+def blockwise_gemm_works(device: torch.device) -> bool:
+    """Whether ``torch._scaled_mm`` takes 1x128 / 128x128 scales on this GPU (Hopper with CUDA
+    12.9 or newer): one small product of each kind the blockwise linear runs, compared with the
+    dequantised product."""
+    if device.type != "cuda":
+        return False
+    generator = torch.Generator(device=device).manual_seed(0)
+
+    def operand(rows: int, scale_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        bits = torch.randn(rows, 256, device=device, generator=generator).to(torch.float8_e4m3fn)
+        return bits, torch.rand(scale_rows, 2, device=device, generator=generator) + 0.5
+
+    a, b = operand(128, 128), operand(256, 2)
+    tiles_b = operand(256, 256)
+    try:
+        for right in (b, tiles_b):
+            got = _scaled_mm(*a, *right, torch.float32)
+            want = dequantize(*a) @ dequantize(*right).t()
+            if not torch.allclose(got, want, rtol=1e-3, atol=1e-2):
+                return False
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    return True
