@@ -10,11 +10,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+# Child processes import this checkout first, and whatever the parent's PYTHONPATH adds after it
+# (packages installed there, as on the GPU machines).
+PYTHONPATH = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
 
 
 def run_cli(args: list[str], nproc: int = 1, timeout: float = 600) -> subprocess.CompletedProcess:
     """Runs ``python -m dtrain.train ARGS`` (under torchrun when nproc > 1) and returns it."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": PYTHONPATH}
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc_per_node={nproc}", "-m", "dtrain.train", *args]
@@ -73,7 +76,7 @@ def run_distributed(tmp_path: Path, nproc: int, specs: list[dict]) -> list[dict]
     equal the single-device model's, and the dtype of the first attention projection's output."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     (tmp_path / "spec.json").write_text(json.dumps(specs))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": PYTHONPATH}
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone",
          f"--nproc_per_node={nproc}", str(ROOT / "tests" / "distributed_runner.py"),
@@ -108,7 +111,7 @@ def strict_records(run_dir) -> list[dict]:
 
 def start_cli(args: list[str]) -> subprocess.Popen:
     """``python -m dtrain.train ARGS`` in one process in the background, its output piped."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": PYTHONPATH}
     return subprocess.Popen([sys.executable, "-m", "dtrain.train", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
 
@@ -116,7 +119,7 @@ def start_cli(args: list[str]) -> subprocess.Popen:
 def torchrun(args: list[str], nproc: int = 2, launch: tuple[str, ...] = ("--standalone",),
              **popen) -> subprocess.Popen:
     """``torchrun LAUNCH --nproc_per_node=NPROC -m dtrain.train ARGS``, its output piped."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": PYTHONPATH}
     return subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", *launch, f"--nproc_per_node={nproc}",
          "--monitor-interval", "1", "-m", "dtrain.train", *args],

@@ -22,7 +22,7 @@ def products(device: str, tokens: int = 256, width: int = 384, out: int = 512):
                 for shape in ((tokens, width), (out, width), (tokens, out)))
     w_bits, w_scales = quantize_blocks(w)
     return {"forward": (*quantize_tiles(x), w_bits, w_scales),
-            "input gradient": (*quantize_tiles(dy), w_bits.t(), w_scales.t()),
+            "input gradient": (*quantize_tiles(dy), *quantize_blocks(w.t())),
             "weight gradient": (*quantize_tiles(dy.t()), *quantize_tiles(x.t()))}
 
 
@@ -49,7 +49,7 @@ def test_cublaslt_runs_every_product_as_the_emulation_does():
         got = blockwise_mm(*operands, torch.float32, False)
         want = blockwise_mm(*operands, torch.float32, True)
         # The same products of the same e4m3 values; only the order of the fp32 sums differs.
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3, msg=name)
+        assert (got - want).abs().max() <= 1e-3 * want.abs().max(), name
 
 
 @GPU

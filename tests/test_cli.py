@@ -11,7 +11,7 @@ import sys
 import termios
 
 import pytest
-from conftest import ROOT
+from conftest import PYTHONPATH, ROOT
 
 from dtrain.config import load_config
 from dtrain.train import main
@@ -61,7 +61,7 @@ def test_help_into_a_pipe_that_closes_early_ends_quietly_and_names_the_command(c
     # `| head -1`: the reader closes the pipe after one line, the help goes on writing.
     help_ = subprocess.Popen([*command, "--help"], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, cwd=ROOT,
-                             env={**os.environ, "PYTHONPATH": str(ROOT)})
+                             env={**os.environ, "PYTHONPATH": PYTHONPATH})
     first = help_.stdout.readline().decode()
     help_.stdout.close()
     assert help_.wait(timeout=60) == 0
@@ -90,7 +90,7 @@ def rank_errors(tmp_path, args: list[str]) -> tuple[list[list[str]], str]:
     each, with c10d's INFO log on (process-group setup then logs its store connections); returns
     each rank's stderr lines and torchrun's own output. torchrun polls its workers every 10 s, so
         both have exited by themselves when it looks (not stopped by it after the first one)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": PYTHONPATH,
            "TORCH_CPP_LOG_LEVEL": "INFO"}
     logs = tmp_path / "logs"
     result = subprocess.run(
@@ -151,7 +151,7 @@ def test_a_run_starts_with_a_short_summary_and_ends_with_one_line(cli, tmp_path)
 def test_a_terminal_gets_a_progress_bar_between_the_log_lines(tmp_path):
     primary, secondary = pty.openpty()
     fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))  # 160 wide
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": PYTHONPATH}
     process = subprocess.Popen(
         [sys.executable, "-m", "dtrain.train", *RUN, "--job.output_dir", str(tmp_path)],
         stdout=secondary, stderr=subprocess.PIPE, env=env, cwd=ROOT)

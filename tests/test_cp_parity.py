@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import BASE, REL, ROOT, assert_same_run, run_distributed
+from conftest import BASE, PYTHONPATH, REL, ROOT, assert_same_run, run_distributed
 
 from dtrain import Trainer, load_config
 from dtrain.config import ConfigError
@@ -70,7 +70,7 @@ ATTENTION_TOLERANCE = {"gqa": 1e-12, "mla": 1e-5}
 
 @pytest.mark.parametrize("cp", [2, 4])  # cp 4: every kind of ring block
 def test_attention_matches_whole_sequence_causal_attention(tmp_path, cp):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": PYTHONPATH}
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={cp}",
          str(ROOT / "tests" / "cp_attention_runner.py"), str(tmp_path / "out.json")],

@@ -11,7 +11,7 @@ import sys
 import fp8_runner
 import pytest
 import torch
-from conftest import ROOT
+from conftest import PYTHONPATH, ROOT
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
@@ -203,7 +203,7 @@ def test_fsdp_with_fp8_all_gather_trains_like_one_process(tmp_path):
     # activations, so FP8 rounding differs a little: measured 5e-5 relative by step 4, while
     # FP8 and fp32 differ by 7e-4 there. The optimizer step and the scales taken one FSDP unit
     # at a time (the overlapped step's order, fp8.UnitScales) give the same losses exactly.
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": PYTHONPATH}
     out = tmp_path / "out.json"
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",

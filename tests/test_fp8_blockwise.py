@@ -339,37 +339,45 @@ def test_gpus_older_than_hopper_are_refused_and_hopper_passes(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
     with pytest.raises(ConfigError, match=(
             r"^fp8.recipe = 'blockwise' needs GPUs of compute capability 9.0 or newer "
-            r"\(cuBLASLt's blockwise GEMMs\) but NVIDIA L40S has 8.9: use fp8.recipe = "
-            r"'rowwise'$")):
+            r"\(its blockwise GEMMs\) but NVIDIA L40S has 8.9: use fp8.recipe = 'rowwise'$")):
         check_fp8(blockwise(emulate=False), torch.device("cuda", 0), tp=1)
     check_fp8(blockwise(emulate=False, recipe="rowwise"), torch.device("cuda", 0), tp=1)
     check_fp8(blockwise(), torch.device("cuda", 0), tp=1)  # emulated: any GPU
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(blockwise_module, "blockwise_gemm_works", lambda device: True)
     check_fp8(blockwise(emulate=False), torch.device("cuda", 0), tp=1, tokens=8192)
+    monkeypatch.setattr(blockwise_module, "blockwise_gemm_works", lambda device: True)
+    check_fp8(blockwise(emulate=False, blockwise_gemm="cublaslt"), torch.device("cuda", 0),
+              tp=1, tokens=8192)
 
 
-def test_a_gpu_whose_cublaslt_lacks_blockwise_gemms_is_refused(monkeypatch):
+def test_a_gpu_whose_cublaslt_lacks_blockwise_gemms_is_refused_for_that_choice(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
     monkeypatch.setattr(fp8_module, "require_backend", lambda backend: None)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(blockwise_module, "blockwise_gemm_works", lambda device: False)
     with pytest.raises(ConfigError, match=(
-            r"^fp8.recipe = 'blockwise' needs cuBLASLt's blockwise-scaled FP8 GEMM .* which "
-            r"does not run on NVIDIA H200 with torch .*: use fp8.recipe = 'rowwise', or "
-            r"fp8.emulate = true to check the numerics$")):
-        check_fp8(blockwise(emulate=False), torch.device("cuda", 0), tp=1)
+            r"^fp8.blockwise_gemm = 'cublaslt' needs cuBLASLt's blockwise-scaled FP8 GEMM .* "
+            r"which does not run on NVIDIA H200 with torch .*: use fp8.blockwise_gemm = "
+            r"'triton'$")):
+        check_fp8(blockwise(emulate=False, blockwise_gemm="cublaslt"), torch.device("cuda", 0),
+                  tp=1)
+    check_fp8(blockwise(emulate=False), torch.device("cuda", 0), tp=1)  # torchao's GEMMs
 
 
-def test_tokens_per_micro_batch_that_are_no_multiple_of_16_are_refused_on_the_gpu(monkeypatch):
+def test_tokens_per_micro_batch_the_gpu_gemms_cannot_sum_over_are_refused(monkeypatch):
     monkeypatch.setattr(fp8_module, "require_backend", lambda backend: None)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(blockwise_module, "blockwise_gemm_works", lambda device: True)
+    cuda = torch.device("cuda", 0)
     with pytest.raises(ConfigError, match=(
             r"^fp8.recipe = 'blockwise' needs the tokens of a micro-batch \(training.micro_"
-            r"batch_size x training.seq_len / parallel.cp = 1000\) to be a multiple of 16")):
-        check_fp8(blockwise(emulate=False), torch.device("cuda", 0), tp=1, tokens=1000)
-    check_fp8(blockwise(), torch.device("cuda", 0), tp=1, tokens=1000)  # emulated: any count
+            r"batch_size x training.seq_len / parallel.cp = 1000\) to be a multiple of 128 on "
+            r"the GPU \(the weight gradient's FP8 GEMM sums over them in 128-token tiles\)")):
+        check_fp8(blockwise(emulate=False), cuda, tp=1, tokens=1000)
+    with pytest.raises(ConfigError, match=r"= 1000\) to be a multiple of 16 on the GPU"):
+        check_fp8(blockwise(emulate=False, blockwise_gemm="cublaslt"), cuda, tp=1, tokens=1000)
+    check_fp8(blockwise(emulate=False, blockwise_gemm="cublaslt"), cuda, tp=1, tokens=1008)
+    check_fp8(blockwise(), cuda, tp=1, tokens=1000)  # emulated: any count
 
 
 def test_the_cpu_without_emulation_is_refused_as_for_every_recipe():

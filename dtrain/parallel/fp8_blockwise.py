@@ -16,12 +16,15 @@ kernels do: the factor ``448 / amax`` in fp64, rounded to fp32, multiplies the v
 to +-448, then cast) and its fp32 reciprocal dequantises. Scales are not rounded to powers of
 two (Transformer Engine's default rounds them; torchao and DeepSeek-V3's report do not).
 
-The linears become ``BlockwiseLinear``. The casts are plain torch code, which Inductor fuses
-into the kernels around them when the blocks are compiled; each of the three products is one
-``dtrain.kernels.blockwise_mm``: on a Hopper GPU cuBLASLt's GEMM, which applies the scales
-inside its sums (``torch._scaled_mm``'s 1x128 / 128x128 scaling, as Transformer Engine's
-``Float8BlockScaling`` on Hopper); on the CPU, or with ``fp8.emulate``, the dequantised operands
-multiplied in fp32: the recipe's numerics, at high-precision speed.
+On a Hopper GPU the linears become, by ``fp8.blockwise_gemm``, torchao's
+``Float8BlockwiseLinear`` (``"triton"``: its Triton casts and GEMMs; the faster one measured)
+or ``BlockwiseLinear`` with cuBLASLt's GEMMs (``"cublaslt"``). ``BlockwiseLinear``'s casts are
+plain torch code, which Inductor fuses into the kernels around them when the blocks are
+compiled; each of its three products is one ``dtrain.kernels.blockwise_mm``: cuBLASLt's GEMM,
+which applies the scales inside its sums (``torch._scaled_mm``'s blockwise scaling, as
+Transformer Engine's ``Float8BlockScaling`` on Hopper), or, on the CPU and with
+``fp8.emulate``, the dequantised operands multiplied in fp32: the recipe's numerics, at
+high-precision speed.
 
 A linear converts when ``fp8_filter`` lets it and both its widths are multiples of 128 (whole
 blocks) and it has no bias; the rest stay in bf16 and the start-up line names them. Tensor
@@ -44,6 +47,7 @@ from dtrain.models.moe import GroupedExperts
 BLOCK = 128
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
+GEMMS = {"triton": "torchao's Triton GEMMs", "cublaslt": "cuBLASLt's GEMMs"}
 EPS = 1e-12  # torchao's floor on a group's absolute maximum (an all-zero group)
 
 
@@ -104,10 +108,9 @@ class _BlockwiseMatmul(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         dy = grad_out.reshape(-1, grad_out.shape[-1])
         grad_x = grad_w = None
-        if ctx.needs_input_grad[0]:  # dy W: W^T's blocks are W's, transposed
-            bits, scales = quantize_blocks(weight)
-            grad_x = blockwise_mm(*quantize_tiles(dy), bits.t(), scales.t(), x.dtype,
-                                  ctx.emulate).reshape(x.shape)
+        if ctx.needs_input_grad[0]:  # dy W: W^T's blocks are W's, transposed, cast anew
+            grad_x = blockwise_mm(*quantize_tiles(dy), *quantize_blocks(weight.t()), x.dtype,
+                                  ctx.emulate).reshape(x.shape)  # (one fused kernel writes them)
         if ctx.needs_input_grad[1]:  # dy^T x: tiles along the tokens, the sum's dimension
             tokens = x.reshape(-1, x.shape[-1]).t()
             grad_w = blockwise_mm(*quantize_tiles(dy.t()), *quantize_tiles(tokens),
@@ -164,9 +167,10 @@ def emulated(cfg: FP8Config) -> bool:
 def check_blockwise(cfg: FP8Config, device: torch.device | None, tp: int,
                     tokens: int | None = None) -> None:
     """Refuses the blockwise recipe under tensor parallel and, unless emulated: on CUDA GPUs
-    older than Hopper, where cuBLASLt's blockwise GEMM does not run (``blockwise_gemm_works``),
-    and with ``tokens`` per micro-batch (on this rank: micro-batch x seq / cp) that are no
-    multiple of 16 (the weight gradient's sum runs over them). Off CUDA,
+    older than Hopper; with ``fp8.blockwise_gemm = "cublaslt"`` where cuBLASLt's blockwise GEMM
+    does not run (``blockwise_gemm_works``); and with ``tokens`` per micro-batch (on this rank:
+    micro-batch x seq / cp) that are no multiple of 128 (torchao's weight-gradient tiles) or,
+    for cuBLASLt, 16 (the weight gradient's sum runs over them). Off CUDA,
     ``dtrain.parallel.fp8.check_fp8`` refuses it without ``fp8.emulate``."""
     if tp > 1:
         raise ConfigError("fp8.recipe = 'blockwise' runs without tensor parallel (its linears "
@@ -177,33 +181,45 @@ def check_blockwise(cfg: FP8Config, device: torch.device | None, tp: int,
     capability = torch.cuda.get_device_capability(device)
     if capability < (9, 0):
         raise ConfigError(f"fp8.recipe = 'blockwise' needs GPUs of compute capability 9.0 or "
-                          f"newer (cuBLASLt's blockwise GEMMs) but "
+                          f"newer (its blockwise GEMMs) but "
                           f"{torch.cuda.get_device_name(device)} has "
                           f"{capability[0]}.{capability[1]}: use fp8.recipe = 'rowwise'")
-    if not blockwise_gemm_works(device):
-        raise ConfigError(f"fp8.recipe = 'blockwise' needs cuBLASLt's blockwise-scaled FP8 "
-                          f"GEMM (torch._scaled_mm with 1x128 and 128x128 scales: Hopper, CUDA "
-                          f"12.9 or newer), which does not run on "
+    if cfg.blockwise_gemm == "cublaslt" and not blockwise_gemm_works(device):
+        raise ConfigError(f"fp8.blockwise_gemm = 'cublaslt' needs cuBLASLt's blockwise-scaled "
+                          f"FP8 GEMM (torch._scaled_mm with 1x128 and 128x128 scales: Hopper, "
+                          f"CUDA 12.9 or newer), which does not run on "
                           f"{torch.cuda.get_device_name(device)} with torch {torch.__version__} "
-                          f"(CUDA {torch.version.cuda}): use fp8.recipe = 'rowwise', or "
-                          f"fp8.emulate = true to check the numerics")
-    if tokens is not None and tokens % 16:
+                          f"(CUDA {torch.version.cuda}): use fp8.blockwise_gemm = 'triton'")
+    multiple = 16 if cfg.blockwise_gemm == "cublaslt" else BLOCK
+    if tokens is not None and tokens % multiple:
         raise ConfigError(f"fp8.recipe = 'blockwise' needs the tokens of a micro-batch "
                           f"(training.micro_batch_size x training.seq_len / parallel.cp = "
-                          f"{tokens}) to be a multiple of 16 (the weight gradient's FP8 GEMM "
-                          f"sums over them): change training.seq_len")
+                          f"{tokens}) to be a multiple of {multiple} on the GPU (the weight "
+                          f"gradient's FP8 GEMM sums over them in "
+                          f"{'16' if multiple == 16 else '128-token tiles'}): change "
+                          f"training.seq_len")
 
 
 def convert_to_blockwise(model: nn.Module, cfg: FP8Config, fsdp: bool,
                          convert: Callable[[nn.Module, str], bool]) -> list[str]:
     """Swaps, in place, the linears of ``model`` that ``convert`` (``blockwise_filter``'s)
-    accepts for ``BlockwiseLinear`` (emulated where ``emulated``); on a ``meta`` model nothing
-    is allocated. Under FSDP (``fsdp``) the weights are gathered in
-    high precision and cast in blocks after the gather (``fp8.fsdp_float8_all_gather`` is
-    tensorwise's, as for rowwise). The MoE experts have no blockwise grouped GEMMs: they stay in
-    bf16. Returns the names of the experts modules, for the start-up line."""
+    accepts: on a Hopper GPU for torchao's ``Float8BlockwiseLinear`` (``fp8.blockwise_gemm =
+    "triton"``) or ``BlockwiseLinear`` with cuBLASLt's GEMMs (``"cublaslt"``), elsewhere for the
+    emulated ``BlockwiseLinear``; on a ``meta`` model nothing is allocated. Under FSDP
+    (``fsdp``) the weights are gathered in high precision and cast in blocks after the gather
+    (``fp8.fsdp_float8_all_gather`` is tensorwise's, as for rowwise). The MoE experts have no
+    blockwise grouped GEMMs: they stay in bf16. Returns the names of the experts modules, for
+    the start-up line."""
     experts = [name for name, m in model.named_modules() if isinstance(m, GroupedExperts)]
     emulate = emulated(cfg)
+    if not emulate and cfg.blockwise_gemm == "triton":
+        from torchao.prototype.blockwise_fp8_training.linear import (
+            Float8BlockwiseLinearConfig,
+        )
+        from torchao.quantization import quantize_
+
+        quantize_(model, Float8BlockwiseLinearConfig(), filter_fn=convert)
+        return experts
     for name, module in list(model.named_modules()):
         if convert(module, name):
             parent_name, _, child = name.rpartition(".")
@@ -215,4 +231,4 @@ def convert_to_blockwise(model: nn.Module, cfg: FP8Config, fsdp: bool,
 def describe_blockwise(cfg: FP8Config) -> str:
     """The recipe's words on the start-up line."""
     return ("blockwise (e4m3, 1x128 activation and gradient tiles, 128x128 weight blocks"
-            + (", emulated)" if emulated(cfg) else ", cuBLASLt)"))
+            + (", emulated)" if emulated(cfg) else f", {GEMMS[cfg.blockwise_gemm]})"))
