@@ -305,8 +305,10 @@ class FP8Config:
     experts: bool = True
     """torchao: the MoE experts' grouped GEMMs in FP8 too (the forward and input-gradient
     products; rowwise scales whatever the recipe; each expert's tokens padded to a multiple of
-    16 rows on the device). Transformer Engine and blockwise leave the experts in bf16 (no
-    blockwise grouped GEMMs yet), said on the start-up line."""
+    16 rows on the device; blockwise: the recipe's tiles and blocks, emulated only, each
+    expert's rows padded to a multiple of 128). Transformer Engine, and blockwise on the GPU,
+    leave the experts in bf16 (no blockwise grouped GEMMs there yet), said on the start-up
+    line."""
     emulate: bool = False
     """torchao only: compute the FP8 matmuls in high precision, so the FP8 path (casts, scales,
     FP8 all-gather) runs on any device, the CPU included; for testing, not for speed. Blockwise

@@ -1,4 +1,7 @@
-"""``a @ b^T`` of two float8 e4m3 matrices scaled in small groups (DeepSeek-V3's blockwise FP8):
+"""DeepSeek-V3's blockwise FP8: the casts (``quantize_tiles``: 1x128 tiles along the rows;
+``quantize_blocks``: 128x128 blocks, of one matrix or of each in a stack) and the product.
+
+``a @ b^T`` of two float8 e4m3 matrices scaled in small groups:
 ``a`` (M, K) in 1x128 tiles along K, one fp32 scale per tile (M, ceil(K / 128)); ``b`` (N, K)
 either in the same tiles (N, ceil(K / 128)) or in 128x128 blocks (ceil(N / 128), ceil(K / 128)).
 Scales dequantise (value = bits x scale).
@@ -17,19 +20,52 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 
 BLOCK = 128
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+EPS = 1e-12  # torchao's floor on a group's absolute maximum (an all-zero group)
+
+
+def _cast(values: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``values`` times ``448 / amax`` (fp64, rounded to fp32), saturated and cast to e4m3, and
+    the fp32 scale that dequantises them (that factor's reciprocal, about ``amax / 448``)."""
+    factor = (E4M3_MAX / amax.clamp(min=EPS).double()).float()
+    bits = (values * factor).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    return bits, factor.reciprocal()
+
+
+def quantize_tiles(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``t`` (rows, cols) in 1x128 tiles along its rows: the e4m3 values (rows, cols) and one
+    fp32 scale per tile (rows, ceil(cols / 128)); a last partial tile is scaled on its own."""
+    rows, cols = t.shape
+    padded = F.pad(t.float(), (0, -cols % BLOCK)).view(rows, -1, BLOCK)
+    bits, scales = _cast(padded, padded.abs().amax(-1, keepdim=True))
+    return bits.view(rows, -1)[:, :cols], scales.squeeze(-1)
+
+
+def quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w`` (..., rows, cols) in 128x128 blocks (each matrix of a stack on its own): the e4m3
+    values (..., rows, cols) and one fp32 scale per block (..., ceil(rows / 128),
+    ceil(cols / 128))."""
+    *lead, rows, cols = w.shape
+    padded = F.pad(w.float(), (0, -cols % BLOCK, 0, -rows % BLOCK))
+    r, c = padded.shape[-2] // BLOCK, padded.shape[-1] // BLOCK
+    blocks = padded.view(*lead, r, BLOCK, c, BLOCK)
+    bits, scales = _cast(blocks, blocks.abs().amax(dim=(-3, -1), keepdim=True))
+    return bits.view(padded.shape)[..., :rows, :cols], scales[..., 0, :, 0]
 
 
 def dequantize(bits: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """fp32 values of ``bits`` (rows, cols) and their scales, one per 1x128 tile (rows,
-    ceil(cols / 128)) or per 128x128 block (ceil(rows / 128), ceil(cols / 128)): the scales'
-    first dimension says which."""
-    rows, cols = bits.shape
-    full = scales.repeat_interleave(BLOCK, dim=1)
-    if scales.shape[0] != rows:  # blocks
-        full = full.repeat_interleave(BLOCK, dim=0)
-    return bits.float() * full[:rows, :cols]
+    """fp32 values of ``bits`` (..., rows, cols) and their scales, one per 1x128 tile (...,
+    rows, ceil(cols / 128)) or per 128x128 block (..., ceil(rows / 128), ceil(cols / 128)): the
+    scales' second-last dimension says which."""
+    rows, cols = bits.shape[-2:]
+    full = scales.repeat_interleave(BLOCK, dim=-1)
+    if scales.shape[-2] != rows:  # blocks
+        full = full.repeat_interleave(BLOCK, dim=-2)
+    return bits.float() * full[..., :rows, :cols]
 
 
 def _check(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor,

@@ -17,6 +17,12 @@ as an operand cast from the parameter (``cast_weight``):
   rows: ``pad_groups`` spreads the sorted rows on the device into a buffer whose size does not
   depend on the counts, so nothing is read on the host. ``fp8_emulated`` computes the same
   rounded values in fp32 (on the CPU: tests, and machines without FP8 units).
+- ``blockwise_emulated``: DeepSeek-V3's blockwise recipe (``dtrain.kernels.blockwise_mm``),
+  emulated: the rows in 1x128 tiles along the features, each expert's weight in 128x128 blocks
+  (and its transpose's, the same values, for the input gradient), and for the weight gradient
+  the output gradient and the rows in tiles of 128 rows along the tokens, which groups padded to
+  multiples of 128 rows keep within one expert. The dequantised operands are multiplied in
+  fp32; there are no blockwise grouped GEMMs on the GPU yet.
 
 The operands come from ``GroupedExperts.weight_operands`` (``dtrain.models.moe``): cast in each
 forward, or by a variant once per optimizer step (``step_cast_weight``: every micro-batch's
@@ -30,6 +36,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+
+from dtrain.kernels.blockwise_mm import BLOCK, dequantize, quantize_blocks, quantize_tiles
 
 ALIGN = 16  # FP8 grouped GEMMs: rows per group a multiple of this
 E4M3 = torch.float8_e4m3fn
@@ -46,15 +54,21 @@ def rowwise_fp8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return bits, scale.reciprocal().squeeze(-1)
 
 
+def group_rows(mode: str) -> int:
+    """The multiple of rows each expert's group is padded to in ``mode`` (1: none)."""
+    return {"plain": 1, "blockwise_emulated": BLOCK}.get(mode, ALIGN)
+
+
 def cast_weight(weight: torch.Tensor, mode: str, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     """The operands ``GroupedLinear`` takes for a stacked weight ``[E, out, in]``: plain, the
     weight in ``dtype`` (the compute dtype); FP8, its bits and inverse scales per (expert, out)
     for the forward, and those of its transpose ``[E, in, out]`` per (expert, in) for the input
-    gradient."""
+    gradient; blockwise, the same two in 128x128 blocks per expert."""
     weight = weight.detach()
     if mode == "plain":
         return (weight.to(dtype),)
-    return (*rowwise_fp8(weight), *rowwise_fp8(weight.transpose(-2, -1).contiguous()))
+    cast = quantize_blocks if mode == "blockwise_emulated" else rowwise_fp8
+    return (*cast(weight), *cast(weight.transpose(-2, -1).contiguous()))
 
 
 _compiled_cast_weight = torch.compile(cast_weight, fullgraph=True, dynamic=False)
@@ -86,6 +100,37 @@ def fp8_product(a: torch.Tensor, bits: torch.Tensor, inverse_scale: torch.Tensor
                                     offs=ends, out_dtype=torch.bfloat16, use_fast_accum=True)
 
 
+def blockwise_product(a: torch.Tensor, bits: torch.Tensor, scales: torch.Tensor,
+                      ends: torch.Tensor) -> torch.Tensor:
+    """Each group of rows of ``a`` times the transposed weight ``bits [E, n, k]`` in 128x128
+    blocks (``scales [E, n / 128, k / 128]``), ``a`` cast in 1x128 tiles; emulated in fp32,
+    ``a``'s dtype out."""
+    weight = dequantize(bits, scales).transpose(-2, -1)
+    return torch._grouped_mm(dequantize(*quantize_tiles(a)), weight, offs=ends).to(a.dtype)
+
+
+def weight_product(grad: torch.Tensor, a: torch.Tensor, ends: torch.Tensor,
+                   mode: str) -> torch.Tensor:
+    """The stacked weight gradient ``[E, out, in]``: each group's ``grad^T a``; blockwise, both
+    cast in tiles of 128 rows along the tokens (groups start at multiples of 128: no tile spans
+    two experts), emulated in fp32."""
+    if mode != "blockwise_emulated":
+        return torch._grouped_mm(grad.t(), a, offs=ends)
+    grad_t, a_t = (dequantize(*quantize_tiles(t.t().contiguous())) for t in (grad, a))
+    return torch._grouped_mm(grad_t, a_t.t(), offs=ends)
+
+
+def _product(a: torch.Tensor, operands: Sequence[torch.Tensor], ends: torch.Tensor,
+             mode: str) -> torch.Tensor:
+    """``GroupedLinear``'s product of ``a`` with one weight's operands (the forward's, or the
+    transpose's for the input gradient)."""
+    if mode == "plain":
+        return torch._grouped_mm(a, operands[0].transpose(-2, -1), offs=ends)
+    if mode == "blockwise_emulated":
+        return blockwise_product(a, operands[0], operands[1], ends)
+    return fp8_product(a, operands[0], operands[1], ends, mode == "fp8_emulated")
+
+
 class GroupedLinear(torch.autograd.Function):
     """``a [rows, in]`` (rows sorted by expert, groups ending at ``ends``, int32) times each
     expert's ``weight [E, out, in]`` transposed -> ``[rows, out]`` (``a``'s dtype; FP8: bf16),
@@ -99,9 +144,7 @@ class GroupedLinear(torch.autograd.Function):
     def forward(ctx, a, weight, ends, mode, grad_into, *operands):
         ctx.mode, ctx.weight_dtype, ctx.accumulate = mode, weight.dtype, grad_into is not None
         ctx.save_for_backward(a, ends, grad_into, *operands)
-        if mode == "plain":
-            return torch._grouped_mm(a, operands[0].transpose(-2, -1), offs=ends)
-        return fp8_product(a, operands[0], operands[1], ends, mode == "fp8_emulated")
+        return _product(a, operands[:2], ends, mode)
 
     @staticmethod
     def backward(ctx, grad):
@@ -110,13 +153,12 @@ class GroupedLinear(torch.autograd.Function):
         if ctx.mode == "plain":
             grad_a = torch._grouped_mm(grad, operands[0], offs=ends)
         else:
-            grad_a = fp8_product(grad, operands[2], operands[3], ends,
-                                 ctx.mode == "fp8_emulated")
+            grad_a = _product(grad, operands[2:], ends, ctx.mode)
         grad_weight = None
         if ctx.accumulate:  # into the weight's gradient, in place: one pass, no fp32 copy
-            grad_into.add_(torch._grouped_mm(grad.t(), a, offs=ends))  # [E, out, in]
+            grad_into.add_(weight_product(grad, a, ends, ctx.mode))  # [E, out, in]
         elif ctx.needs_input_grad[1]:  # else a frozen weight: no product
-            grad_weight = torch._grouped_mm(grad.t(), a, offs=ends).to(ctx.weight_dtype)
+            grad_weight = weight_product(grad, a, ends, ctx.mode).to(ctx.weight_dtype)
         return grad_a, grad_weight, None, None, None, *([None] * len(operands))
 
 

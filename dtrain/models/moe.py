@@ -44,6 +44,7 @@ from dtrain.dtensor import local
 from dtrain.models.feed_forward import FeedForward
 from dtrain.models.grouped_gemm import (
     cast_weight,
+    group_rows,
     grouped_linear,
     pad_groups,
     step_cast_weight,
@@ -70,14 +71,15 @@ def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: 
     """SwiGLU of each expert on its rows of ``x`` (rows sorted by expert, ``counts[e]`` rows for
     expert e) with grouped GEMMs (``grouped_gemm.GroupedLinear``): no host sync. ``mode``:
     ``plain`` (``x``'s dtype; rows past ``counts.sum()`` unspecified in the output), or ``fp8`` /
-    ``fp8_emulated`` on groups padded to multiples of 16 rows on the device
-    (``grouped_gemm.pad_groups``; rows past ``counts.sum()`` zero). ``operands``: each weight's
+    ``fp8_emulated`` / ``blockwise_emulated`` on groups padded to multiples of 16 (128 for
+    blockwise) rows on the device (``grouped_gemm.pad_groups``; rows past ``counts.sum()``
+    zero). ``operands``: each weight's
     cast operands and the gradient its backward adds into (``GroupedExperts.weight_operands``),
     else each weight cast here."""
     if mode == "plain":
         rows, ends = x, torch.cumsum(counts, 0, dtype=torch.int32)
     else:
-        rows, ends, dest = pad_groups(x, counts)
+        rows, ends, dest = pad_groups(x, counts, group_rows(mode))
     op1, op2, op3 = operands or (None, None, None)
     h = (F.silu(grouped_linear(rows, w1, ends, mode, op1))
          * grouped_linear(rows, w3, ends, mode, op3))
@@ -106,7 +108,8 @@ class GroupedExperts(nn.Module):
     def __init__(self, dim: int, hidden: int, n_experts: int, gemm: str = "auto"):
         super().__init__()
         self.gemm = gemm  # auto (grouped where fast), grouped, loop
-        # "fp8" or "fp8_emulated" for FP8 grouped GEMMs (set by dtrain.parallel.fp8)
+        # "fp8", "fp8_emulated" or "blockwise_emulated" for FP8 grouped GEMMs (set by
+        # dtrain.parallel.fp8)
         self.fp8: str | None = None
         self.w1 = nn.Parameter(torch.empty(n_experts, hidden, dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))

@@ -12,10 +12,11 @@ step (``precompute_fp8_scales``); under TP its activations are cast before the a
 Transformer Engine (``fp8.backend = "te"``): ``nn.Linear`` becomes ``te.Linear`` and each forward
 of the model runs under ``te.fp8_autocast`` with the delayed or current scaling recipe.
 
-``blockwise`` (``dtrain.parallel.fp8_blockwise``, under the torchao backend's settings; its
-GEMMs are cuBLASLt's) is DeepSeek-V3's recipe: activations and gradients in 1x128 tiles,
-weights in 128x128 blocks, each with its own scale, e4m3 throughout; it takes linears of whole
-blocks only and runs without TP, FP8 all-gather and FP8 experts.
+``blockwise`` (``dtrain.parallel.fp8_blockwise``, under the torchao backend's settings) is
+DeepSeek-V3's recipe: activations and gradients in 1x128 tiles, weights in 128x128 blocks,
+each with its own scale, e4m3 throughout; it takes linears of whole blocks only, runs without
+TP and FP8 all-gather, and takes the experts only emulated (no blockwise grouped GEMMs on the
+GPU yet).
 
 With torchao, the MoE experts' grouped GEMMs run in FP8 as well (``fp8.experts``: rowwise
 scales, ``dtrain.models.grouped_gemm``); Transformer Engine leaves them in bf16. DeepSeek-V3's
@@ -159,8 +160,8 @@ def convert_to_fp8(model: nn.Module, cfg: FP8Config,
     matmuls in high precision, for machines without FP8 units. Returns the names of the
     converted linear layers, of the layers kept as they were (linears, and with ``fp8.experts``
     the MoE experts modules whose widths FP8 cannot take) and of the experts modules whose
-    grouped GEMMs run in FP8. The blockwise recipe converts linears of whole 128x128 blocks
-    and keeps every experts module (``fp8_blockwise.convert_to_blockwise``)."""
+    grouped GEMMs run in FP8. The blockwise recipe converts linears of whole 128x128 blocks,
+    and experts modules only where emulated (``fp8_blockwise.convert_to_blockwise``)."""
     convert = fp8_filter(model, cfg.filter_fqns)
     if cfg.recipe == "blockwise":
         convert = blockwise_filter(convert)
@@ -168,7 +169,8 @@ def convert_to_fp8(model: nn.Module, cfg: FP8Config,
     converted = [name for name, m in linears if convert(m, name)]
     kept = [name for name, m in linears if not convert(m, name)]
     if cfg.recipe == "blockwise":
-        return converted, kept + convert_to_blockwise(model, cfg, fsdp, convert), []
+        kept_experts, experts = convert_to_blockwise(model, cfg, fsdp, convert)
+        return converted, kept + kept_experts, experts
     backend = require_backend(cfg.backend)
     experts: list[str] = []
     if cfg.backend == "torchao":
@@ -356,7 +358,8 @@ def describe_fp8(cfg: FP8Config, layers: tuple[list[str], list[str], list[str]],
     recipe = describe_blockwise(cfg) if blockwise else cfg.recipe
     return (f"fp8: {cfg.backend} {recipe}{' with FP8 all-gather' if all_gather else ''} | "
             f"{len(converted)} linear layers in FP8"
-            + (f", the experts of {len(experts)} MoE layers (rowwise)" if experts else "")
+            + (f", the experts of {len(experts)} MoE layers "
+               f"({'blockwise' if blockwise else 'rowwise'})" if experts else "")
             + f" | kept in bf16: {kept_summary(kept, cfg.filter_fqns, blockwise) or 'none'}")
 
 
@@ -372,7 +375,8 @@ def kept_summary(kept: Sequence[str], filter_fqns: Sequence[str], blockwise: boo
         elif name.endswith("router.gate"):
             why = "MoE router"
         elif name.endswith("experts"):
-            why = "no blockwise FP8 experts yet" if blockwise else "widths not multiples of 16"
+            why = ("no blockwise grouped GEMMs on the GPU yet, or widths not multiples of 128"
+                   if blockwise else "widths not multiples of 16")
         elif blockwise:
             why = "widths not multiples of 128, a bias, or a shared weight"
         else:

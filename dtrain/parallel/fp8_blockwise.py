@@ -12,9 +12,10 @@ dimension, as the FP8 GEMMs that apply the scales inside their sums need:
 - weight gradient, ``dW = dy^T x``: ``dy`` and ``x`` both in 128x1 tiles along the tokens.
 
 Each group's scale is its absolute maximum over 448 (e4m3's largest value), computed as torchao's
-kernels do: the factor ``448 / amax`` in fp64, rounded to fp32, multiplies the values (saturated
-to +-448, then cast) and its fp32 reciprocal dequantises. Scales are not rounded to powers of
-two (Transformer Engine's default rounds them; torchao and DeepSeek-V3's report do not).
+kernels do (``dtrain.kernels.blockwise_mm.quantize_tiles`` and ``quantize_blocks``): the factor
+``448 / amax`` in fp64, rounded to fp32, multiplies the values (saturated to +-448, then cast)
+and its fp32 reciprocal dequantises. Scales are not rounded to powers of two (Transformer
+Engine's default rounds them; torchao and DeepSeek-V3's report do not).
 
 On a Hopper GPU the linears become, by ``fp8.blockwise_gemm``, torchao's
 ``Float8BlockwiseLinear`` (``"triton"``: its Triton casts and GEMMs; the faster one measured)
@@ -29,8 +30,9 @@ high-precision speed.
 A linear converts when ``fp8_filter`` lets it and both its widths are multiples of 128 (whole
 blocks) and it has no bias; the rest stay in bf16 and the start-up line names them. Tensor
 parallel is refused (``check_blockwise``). Under FSDP the weights are gathered in high
-precision, then cast in blocks (FP8 all-gather is tensorwise's); the MoE experts have no
-blockwise grouped GEMMs yet and stay in bf16 (``convert_to_blockwise``).
+precision, then cast in blocks (FP8 all-gather is tensorwise's). The MoE experts take the
+recipe emulated (``fp8.emulate``, or the CPU); on the GPU there are no blockwise grouped GEMMs
+yet and they stay in bf16 (``convert_to_blockwise``).
 """
 
 from __future__ import annotations
@@ -41,41 +43,17 @@ import torch
 from torch import nn
 
 from dtrain.config import ConfigError, FP8Config
-from dtrain.kernels.blockwise_mm import blockwise_gemm_works, blockwise_mm, dequantize
+from dtrain.kernels.blockwise_mm import (
+    BLOCK,
+    blockwise_gemm_works,
+    blockwise_mm,
+    dequantize,
+    quantize_blocks,
+    quantize_tiles,
+)
 from dtrain.models.moe import GroupedExperts
 
-BLOCK = 128
-E4M3 = torch.float8_e4m3fn
-E4M3_MAX = 448.0
 GEMMS = {"triton": "torchao's Triton GEMMs", "cublaslt": "cuBLASLt's GEMMs"}
-EPS = 1e-12  # torchao's floor on a group's absolute maximum (an all-zero group)
-
-
-def _cast(values: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``values`` times ``448 / amax`` (fp64, rounded to fp32), saturated and cast to e4m3, and
-    the fp32 scale that dequantises them (that factor's reciprocal, about ``amax / 448``)."""
-    factor = (E4M3_MAX / amax.clamp(min=EPS).double()).float()
-    bits = (values * factor).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
-    return bits, factor.reciprocal()
-
-
-def quantize_tiles(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``t`` (rows, cols) in 1x128 tiles along its rows: the e4m3 values (rows, cols) and one
-    fp32 scale per tile (rows, ceil(cols / 128)); a last partial tile is scaled on its own."""
-    rows, cols = t.shape
-    padded = nn.functional.pad(t.float(), (0, -cols % BLOCK)).view(rows, -1, BLOCK)
-    bits, scales = _cast(padded, padded.abs().amax(-1, keepdim=True))
-    return bits.view(rows, -1)[:, :cols], scales.squeeze(-1)
-
-
-def quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``w`` (rows, cols) in 128x128 blocks: the e4m3 values (rows, cols) and one fp32 scale per
-    block (ceil(rows / 128), ceil(cols / 128))."""
-    rows, cols = w.shape
-    padded = nn.functional.pad(w.float(), (0, -cols % BLOCK, 0, -rows % BLOCK))
-    blocks = padded.view(padded.shape[0] // BLOCK, BLOCK, padded.shape[1] // BLOCK, BLOCK)
-    bits, scales = _cast(blocks, blocks.abs().amax(dim=(1, 3), keepdim=True))
-    return bits.view(padded.shape)[:rows, :cols], scales[:, 0, :, 0]
 
 
 def dequantize_tiles(bits: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -201,17 +179,28 @@ def check_blockwise(cfg: FP8Config, device: torch.device | None, tp: int,
 
 
 def convert_to_blockwise(model: nn.Module, cfg: FP8Config, fsdp: bool,
-                         convert: Callable[[nn.Module, str], bool]) -> list[str]:
+                         convert: Callable[[nn.Module, str], bool]
+                         ) -> tuple[list[str], list[str]]:
     """Swaps, in place, the linears of ``model`` that ``convert`` (``blockwise_filter``'s)
     accepts: on a Hopper GPU for torchao's ``Float8BlockwiseLinear`` (``fp8.blockwise_gemm =
     "triton"``) or ``BlockwiseLinear`` with cuBLASLt's GEMMs (``"cublaslt"``), elsewhere for the
     emulated ``BlockwiseLinear``; on a ``meta`` model nothing is allocated. Under FSDP
     (``fsdp``) the weights are gathered in high precision and cast in blocks after the gather
-    (``fp8.fsdp_float8_all_gather`` is tensorwise's, as for rowwise). The MoE experts have no
-    blockwise grouped GEMMs: they stay in bf16. Returns the names of the experts modules, for
-    the start-up line."""
-    experts = [name for name, m in model.named_modules() if isinstance(m, GroupedExperts)]
+    (``fp8.fsdp_float8_all_gather`` is tensorwise's, as for rowwise). The MoE experts whose
+    widths are multiples of 128 take the recipe where it is emulated and ``fp8.experts`` is on
+    (``blockwise_emulated`` grouped GEMMs, ``dtrain.models.grouped_gemm``); on the GPU there
+    are no blockwise grouped GEMMs yet and they stay in bf16. Returns the names of the experts
+    modules kept in bf16 and of those in FP8, for the start-up line."""
     emulate = emulated(cfg)
+    kept, fp8 = [], []
+    for name, module in model.named_modules():
+        if isinstance(module, GroupedExperts):
+            whole = not any(size % BLOCK for size in module.w1.shape[1:])
+            if emulate and cfg.experts and whole:
+                module.fp8 = "blockwise_emulated"
+                fp8.append(name)
+            else:
+                kept.append(name)
     if not emulate and cfg.blockwise_gemm == "triton":
         from torchao.prototype.blockwise_fp8_training.linear import (
             Float8BlockwiseLinearConfig,
@@ -219,13 +208,13 @@ def convert_to_blockwise(model: nn.Module, cfg: FP8Config, fsdp: bool,
         from torchao.quantization import quantize_
 
         quantize_(model, Float8BlockwiseLinearConfig(), filter_fn=convert)
-        return experts
+        return kept, fp8
     for name, module in list(model.named_modules()):
         if convert(module, name):
             parent_name, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent_name), child,
                     BlockwiseLinear.from_linear(module, emulate))
-    return experts
+    return kept, fp8
 
 
 def describe_blockwise(cfg: FP8Config) -> str:
