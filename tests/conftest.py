@@ -193,6 +193,25 @@ def with_biases_and_norms_drawn(model):
     return model
 
 
+def assert_converted_model_initialises_as_built(convert, unwrap=lambda weight: weight) -> None:
+    """A 2-block debug model built on the meta device and converted by ``convert(model)`` (FP8
+    layers), then allocated and initialised, holds the same parameters, by the same names, as
+    the model built plain from that seed: bit for bit (``unwrap``: a weight's plain tensor)."""
+    import torch
+
+    from dtrain.models import build
+
+    model = build("llama3_debug", device="meta", n_layers=2)
+    convert(model)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=3)
+    reference = build("llama3_debug", device="cpu", seed=3, n_layers=2).state_dict()
+    got = model.state_dict()
+    assert list(got) == list(reference)
+    for name, want in reference.items():
+        assert torch.equal(unwrap(got[name]), want), name
+
+
 def logits_and_grads(model, vocab: int = 128):
     """Logits and gradients (gathered whole) of one forward and backward of ``model`` on a fixed
     batch of 2 x 16 tokens."""

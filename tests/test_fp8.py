@@ -11,7 +11,7 @@ import sys
 import fp8_runner
 import pytest
 import torch
-from conftest import PYTHONPATH, ROOT
+from conftest import PYTHONPATH, ROOT, assert_converted_model_initialises_as_built
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
@@ -123,15 +123,9 @@ def test_conversion_on_meta_converts_every_block_linear_and_keeps_the_output():
 
 
 def test_fp8_model_initialises_to_the_same_weights():
-    model = build("llama3_debug", device="meta", n_layers=2)
-    convert_to_fp8(model, fp8(), fsdp=True)
-    model.to_empty(device="cpu")
-    model.init_weights(seed=3)
-    reference = build("llama3_debug", device="cpu", seed=3, n_layers=2)
-    for (name, got), want in zip(model.state_dict().items(), reference.state_dict().values(),
-                                 strict=True):
-        got = got._tensor if isinstance(got, WeightWithDynamicFloat8CastTensor) else got
-        assert torch.equal(got, want), name
+    assert_converted_model_initialises_as_built(
+        lambda model: convert_to_fp8(model, fp8(), fsdp=True),
+        lambda got: got._tensor if isinstance(got, WeightWithDynamicFloat8CastTensor) else got)
 
 
 class Toy(nn.Module):

@@ -9,24 +9,18 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import BASE, run_distributed
+from conftest import BASE, assert_converted_model_initialises_as_built, run_distributed
 from torch import nn
 
 from dtrain import Trainer, load_config
 from dtrain.config import ConfigError, FP8Config
+from dtrain.kernels.blockwise_mm import dequantize, quantize_blocks, quantize_tiles
 from dtrain.models import build
 from dtrain.models.moe import GroupedExperts
 from dtrain.parallel import fp8 as fp8_module
 from dtrain.parallel import fp8_blockwise as blockwise_module
 from dtrain.parallel.fp8 import check_fp8, convert_to_fp8, describe_fp8, fp8_all_gather
-from dtrain.parallel.fp8_blockwise import (
-    BlockwiseLinear,
-    blockwise_linear,
-    dequantize_blocks,
-    dequantize_tiles,
-    quantize_blocks,
-    quantize_tiles,
-)
+from dtrain.parallel.fp8_blockwise import BlockwiseLinear, blockwise_linear
 from dtrain.run import feature_lines
 
 E4M3 = torch.float8_e4m3fn
@@ -94,7 +88,7 @@ def test_tiles_are_the_tile_by_tile_reference_bit_for_bit(dtype):
             got = bits[row, start:start + 128]
             assert torch.equal(got.view(torch.uint8), want_bits.view(torch.uint8)), (row, j)
             assert scales[row, j] == want_scale, (row, j)
-    assert torch.equal(dequantize_tiles(bits, scales), reference_tiles(t))
+    assert torch.equal(dequantize(bits, scales), reference_tiles(t))
     # Each non-zero tile reaches e4m3's largest value: the scale is the tile's amax / 448.
     tile_max = bits.float().abs()[:, :256].view(6, 2, 128).amax(-1)
     assert (tile_max[1:] == 448).all() and (tile_max[0, 0] == 0) and tile_max[0, 1] == 448
@@ -115,7 +109,7 @@ def test_blocks_are_the_block_by_block_reference_bit_for_bit():
             got = bits[128 * i:128 * (i + 1), 128 * j:128 * (j + 1)]
             assert torch.equal(got.view(torch.uint8), want_bits.view(torch.uint8)), (i, j)
             assert scales[i, j] == want_scale, (i, j)
-    assert torch.equal(dequantize_blocks(bits, scales), reference_blocks(w))
+    assert torch.equal(dequantize(bits, scales), reference_blocks(w))
 
 
 # ---- (b) the emulated linear ---------------------------------------------------------------
@@ -187,8 +181,8 @@ def test_an_outlier_coarsens_its_own_tile_only():
     def tile_errors(cast: torch.Tensor, of: torch.Tensor) -> torch.Tensor:
         return ((cast - of).view(8, 4, 128).norm(dim=-1) / of.view(8, 4, 128).norm(dim=-1))
 
-    clean = dequantize_tiles(*quantize_tiles(x))
-    blockwise_cast = dequantize_tiles(*quantize_tiles(spiked))
+    clean = dequantize(*quantize_tiles(x))
+    blockwise_cast = dequantize(*quantize_tiles(spiked))
     tensorwise_cast = reference_whole_tensor(spiked)
     others = torch.ones(8, 4, dtype=torch.bool)
     others[3, 1] = False
@@ -269,14 +263,8 @@ def test_partial_blocks_biases_and_shared_weights_stay_and_weights_are_kept():
 
 
 def test_the_blockwise_model_initialises_to_the_same_weights():
-    model = build("llama3_debug", device="meta", n_layers=2)
-    convert_to_fp8(model, blockwise(), fsdp=False)
-    model.to_empty(device="cpu")
-    model.init_weights(seed=3)
-    reference = build("llama3_debug", device="cpu", seed=3, n_layers=2)
-    assert list(model.state_dict()) == list(reference.state_dict())
-    for name, want in reference.state_dict().items():
-        assert torch.equal(model.state_dict()[name], want), name
+    assert_converted_model_initialises_as_built(
+        lambda model: convert_to_fp8(model, blockwise(), fsdp=False))
 
 
 # ---- (d) training --------------------------------------------------------------------------

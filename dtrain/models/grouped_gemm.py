@@ -55,8 +55,8 @@ def rowwise_fp8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def group_rows(mode: str) -> int:
-    """The multiple of rows each expert's group is padded to in ``mode`` (1: none)."""
-    return {"plain": 1, "blockwise_emulated": BLOCK}.get(mode, ALIGN)
+    """The multiple of rows each expert's group is padded to in an FP8 ``mode``."""
+    return BLOCK if mode == "blockwise_emulated" else ALIGN
 
 
 def cast_weight(weight: torch.Tensor, mode: str, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:

@@ -47,23 +47,12 @@ from dtrain.kernels.blockwise_mm import (
     BLOCK,
     blockwise_gemm_works,
     blockwise_mm,
-    dequantize,
     quantize_blocks,
     quantize_tiles,
 )
 from dtrain.models.moe import GroupedExperts
 
 GEMMS = {"triton": "torchao's Triton GEMMs", "cublaslt": "cuBLASLt's GEMMs"}
-
-
-def dequantize_tiles(bits: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``quantize_tiles``' values back in fp32."""
-    return dequantize(bits, scales)
-
-
-def dequantize_blocks(bits: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``quantize_blocks``' values back in fp32."""
-    return dequantize(bits, scales)
 
 
 class _BlockwiseMatmul(torch.autograd.Function):
@@ -168,13 +157,14 @@ def check_blockwise(cfg: FP8Config, device: torch.device | None, tp: int,
                           f"CUDA 12.9 or newer), which does not run on "
                           f"{torch.cuda.get_device_name(device)} with torch {torch.__version__} "
                           f"(CUDA {torch.version.cuda}): use fp8.blockwise_gemm = 'triton'")
-    multiple = 16 if cfg.blockwise_gemm == "cublaslt" else BLOCK
+    cublaslt = cfg.blockwise_gemm == "cublaslt"
+    multiple = 16 if cublaslt else BLOCK
     if tokens is not None and tokens % multiple:
         raise ConfigError(f"fp8.recipe = 'blockwise' needs the tokens of a micro-batch "
                           f"(training.micro_batch_size x training.seq_len / parallel.cp = "
                           f"{tokens}) to be a multiple of {multiple} on the GPU (the weight "
-                          f"gradient's FP8 GEMM sums over them in "
-                          f"{'16' if multiple == 16 else '128-token tiles'}): change "
+                          f"gradient's FP8 GEMM sums over them"
+                          f"{'' if cublaslt else ' in 128-token tiles'}): change "
                           f"training.seq_len")
 
 
