@@ -9,7 +9,13 @@ import torch
 from torch import nn
 
 from dtrain import Trainer, load_config
-from dtrain.kernels.accumulate import accumulate_matmul, gemm_accumulates
+from dtrain.kernels.accumulate import (
+    LOOPED_VALUES,
+    accumulate_each_group,
+    accumulate_grouped_matmul,
+    accumulate_matmul,
+    gemm_accumulates,
+)
 from dtrain.step_weights import linears
 from dtrain.step_weights.copies import step_copy
 from dtrain.step_weights.fp8_cast import add_into_grad
@@ -163,3 +169,61 @@ def test_on_the_gpu_the_gemm_accumulates_into_the_fp32_gradient():
     assert gemm_accumulates(total.device)
     error, rounded_error = ((t.double() - exact).abs().max() for t in (total, rounded))
     assert error < rounded_error / 4  # summed in fp32: well under bf16's rounding of the product
+
+
+def _groups(out: int, features: int, counts: list[int], device: str = "cpu"):
+    """A stacked fp32 gradient, the output gradient and the rows of ``counts`` groups (with 5
+    rows past the last group, which no product may read: NaN), and the groups' int32 ends."""
+    rows = sum(counts)
+    grad = torch.randn(rows + 5, out, device=device).to(torch.bfloat16)
+    a = torch.randn(rows + 5, features, device=device).to(torch.bfloat16)
+    grad[rows:], a[rows:] = float("nan"), float("nan")
+    ends = torch.tensor(counts, device=device).cumsum(0).to(torch.int32)
+    return torch.randn(len(counts), out, features, device=device), grad, a, ends
+
+
+def _each_expert(total, grad, a, counts):
+    """The reference: each expert's rows, its bf16 product, added in fp32."""
+    expected, start = total.clone(), 0
+    for e, count in enumerate(counts):
+        rows = slice(start, start + count)
+        expected[e] += (grad[rows].t() @ a[rows]).float()
+        start += count
+    return expected
+
+
+@pytest.mark.parametrize("counts", [[7, 0, 12, 1], [0, 0, 20, 0]])
+def test_grouped_weight_gradients_add_each_experts_rows_into_its_gradient(counts):
+    torch.manual_seed(0)
+    total, grad, a, ends = _groups(24, 40, counts)
+    expected = _each_expert(total, grad, a, counts)
+    grouped, looped = total.clone(), total.clone()
+    accumulate_grouped_matmul(grouped, grad.t(), a, ends)
+    accumulate_each_group(looped, grad.t(), a, [0, *ends.tolist()])
+    for got in (grouped, looped):  # the rows past the last group (NaN) were not read
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="needs a GPU (cuBLAS's accumulating GEMM); its output is in "
+                           "docs/benchmarks.md")
+@pytest.mark.parametrize("large", [True, False])
+def test_on_the_gpu_large_experts_accumulate_in_their_own_gemms(large):
+    torch.manual_seed(0)
+    out = LOOPED_VALUES // 1024 if large else 256
+    counts = [300, 0, 1000, 52]
+    total, grad, a, ends = _groups(out, 1024, counts, "cuda")
+    exact = total.double().clone()
+    start = 0
+    for e, count in enumerate(counts):
+        exact[e] += grad[start:start + count].double().t() @ a[start:start + count].double()
+        start += count
+    rounded = _each_expert(total, grad, a, counts)  # the product rounded to bf16, then added
+    gemm_accumulates.cache_clear()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        accumulate_grouped_matmul(total, grad.t(), a, ends)
+    error, rounded_error = ((t.double() - exact).abs().max() for t in (total, rounded))
+    if large:  # summed in fp32 in each GEMM: well under bf16's rounding of the product
+        assert error < rounded_error / 4
+    else:  # the grouped GEMM's bf16 product, added
+        assert error < 2 * rounded_error

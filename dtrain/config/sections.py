@@ -309,6 +309,12 @@ class FP8Config:
     expert's rows padded to a multiple of 128). Transformer Engine, and blockwise on the GPU,
     leave the experts in bf16 (no blockwise grouped GEMMs there yet), said on the start-up
     line."""
+    experts_weight_gradient: Literal["bf16", "fp8"] = "bf16"
+    """torchao's FP8 experts (not blockwise), their weights cast once per step (whole on the
+    rank: no FSDP, TP nor EP): the weight gradients' products in bf16, or in FP8 (tensorwise,
+    the gradient e5m2 and the input e4m3 as torchao's linears take them, and as Transformer
+    Engine's grouped linear does for Megatron), each expert's added into ``.grad`` inside
+    cuBLASLt's GEMM. Elsewhere they stay bf16. Speed and loss: docs/benchmarks.md."""
     emulate: bool = False
     """torchao only: compute the FP8 matmuls in high precision, so the FP8 path (casts, scales,
     FP8 all-gather) runs on any device, the CPU included; for testing, not for speed. Blockwise

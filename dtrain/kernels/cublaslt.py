@@ -10,7 +10,8 @@ extension to build): one handle per device, the descriptors and the heuristic's 
 per problem, torch's current stream, one workspace per (device, stream) from torch's allocator.
 
 The operands are those of ``torch._scaled_mm``: ``a`` row-major ``[M, K]``, ``b`` column-major
-``[K, N]``, FP8 (e4m3 or e5m2, not both e5m2), each with the fp32 scalar that turns its FP8
+``[K, N]`` (either may be a slice of a wider matrix's columns: its leading dimension is then the
+wider one's), FP8 (e4m3 or e5m2, not both e5m2), each with the fp32 scalar that turns its FP8
 values back into real ones (the inverse of torchao's scale). ``total`` is a row-major fp32
 ``[M, N]``, all on one device. Operands that break this contract raise ``ValueError``.
 
@@ -20,7 +21,8 @@ requires of the same kernels. Operands that miss this, a device where the GEMM d
 (``works``), or a cuBLASLt error on a call: the product is computed by torch (as ``_scaled_mm``
 computes it) and added in a second pass, after one warning per reason
 (``warn_fallback``); a backward never fails here. ``candidate_algorithms`` and ``workspace``
-serve benchmarks and tests.
+serve benchmarks and tests. ``accumulate_grouped_scaled_mm`` loops it over the MoE experts'
+groups of rows, for their weight gradients.
 """
 
 from __future__ import annotations
@@ -335,6 +337,14 @@ def _strides_are(x: torch.Tensor, expected: tuple[int, int]) -> bool:
         for size, stride, want in zip(x.shape, x.stride(), expected, strict=True))
 
 
+def _leading_is(x: torch.Tensor, unit: int, k: int) -> bool:
+    """Whether ``x``'s dimension ``unit`` has stride 1 and the other a stride of at least
+    ``k`` (a leading dimension: a slice of a wider matrix's columns is one)."""
+    other = 1 - unit
+    return x.numel() == 0 or ((x.shape[unit] <= 1 or x.stride(unit) == 1)
+                              and (x.shape[other] <= 1 or x.stride(other) >= k))
+
+
 def _check_operands(total, a, b, a_inverse_scale, b_inverse_scale) -> None:
     """``ValueError`` naming each way the operands break the contract (the module's docstring):
     no path computes those."""
@@ -349,7 +359,7 @@ def _check_operands(total, a, b, a_inverse_scale, b_inverse_scale) -> None:
                         f"{tuple(total.shape)}")
     if k2 != k:
         problems.append(f"a is [{m}, {k}] but b is [{k2}, {n}]")
-    if not (_strides_are(a, (k, 1)) and _strides_are(b, (1, k2))):
+    if not (_leading_is(a, 1, k) and _leading_is(b, 0, k2)):
         problems.append(f"a must be row-major and b column-major (strides {a.stride()}, "
                         f"{b.stride()})")
     if a.dtype not in _FP8 or b.dtype not in _FP8 or a.dtype == b.dtype == torch.float8_e5m2:
@@ -418,4 +428,27 @@ def accumulate_scaled_mm(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
 
 @accumulate_scaled_mm.register_fake
 def _(total, a, b, a_inverse_scale, b_inverse_scale, fast_accum=False) -> None:
+    return None
+
+
+@torch.library.custom_op("dtrain::accumulate_grouped_scaled_mm", mutates_args=("total",))
+def accumulate_grouped_scaled_mm(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                                 a_inverse_scale: torch.Tensor, b_inverse_scale: torch.Tensor,
+                                 ends: torch.Tensor) -> None:
+    """``total[e] += (a[:, rows of e] * a_inverse_scale) @ (b[:, rows of e] *
+    b_inverse_scale)^T`` in place for each group e of the rows ending at ``ends`` (int32, on the
+    operands' device, each a multiple of 16): ``a [m, rows]`` and ``b [n, rows]`` row-major FP8
+    (the output gradient and the input, transposed: the groups are slices of their columns),
+    ``total [E, m, n]`` the experts' stacked fp32 gradient. One ``accumulate_scaled_mm`` per
+    non-empty group, after reading the ends on the host (a sync that waits for work queued long
+    before: they were computed in the forward). Rows past ``ends[-1]`` are not read."""
+    bounds = [0, *ends.tolist()]
+    for e, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+        if end > start:
+            accumulate_scaled_mm(total[e], a[:, start:end], b[:, start:end].t(),
+                                 a_inverse_scale, b_inverse_scale)
+
+
+@accumulate_grouped_scaled_mm.register_fake
+def _(total, a, b, a_inverse_scale, b_inverse_scale, ends) -> None:
     return None

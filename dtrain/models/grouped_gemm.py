@@ -11,9 +11,13 @@ as an operand cast from the parameter (``cast_weight``):
 - ``fp8`` and ``fp8_emulated``: the forward and the input gradient in float8 e4m3 with rowwise,
   power-of-two scales (``torch._scaled_grouped_mm`` on sm90+): one scale per row of the input and
   of the gradient, one per expert and output channel of the weight for the forward and per
-  expert and input channel for the input gradient. The weight gradient stays a bf16 product
-  (the FP8 one needs per-group column scales of both operands, whose extra passes cost more
-  than the product saves; docs/benchmarks.md). FP8 takes groups of whole multiples of 16
+  expert and input channel for the input gradient. The weight gradient is a bf16 product
+  (a grouped FP8 one needs per-group column scales of both operands, whose extra passes cost
+  more than the product saves; docs/benchmarks.md), or, with ``fp8_weight_gradient`` where it
+  is added into ``.grad`` in place, each expert's FP8 product with tensorwise scales (the
+  gradient e5m2, the input e4m3, one scale each a micro-batch, as torchao's tensorwise linears
+  and Transformer Engine's grouped linear compute it) added inside cuBLASLt's GEMM
+  (``dtrain.kernels.cublaslt.accumulate_grouped_scaled_mm``). FP8 takes groups of whole multiples of 16
   rows: ``pad_groups`` spreads the sorted rows on the device into a buffer whose size does not
   depend on the counts, so nothing is read on the host. ``fp8_emulated`` computes the same
   rounded values in fp32 (on the CPU: tests, and machines without FP8 units).
@@ -27,7 +31,8 @@ as an operand cast from the parameter (``cast_weight``):
 The operands come from ``GroupedExperts.weight_operands`` (``dtrain.models.moe``): cast in each
 forward, or by a variant once per optimizer step (``step_cast_weight``: every micro-batch's
 forward and backward then use that operand, and each backward adds its weight gradient into the
-weight's ``.grad`` in place, ``grad_into``). A weight frozen at a step (``requires_grad`` False,
+weight's ``.grad`` in place, ``grad_into``: ``dtrain.kernels.accumulate.accumulate_grouped_matmul``,
+on a GPU one accumulating GEMM per expert for large experts). A weight frozen at a step (``requires_grad`` False,
 read at each step) gets no gradient either way, and its product is not computed.
 """
 
@@ -37,11 +42,14 @@ from collections.abc import Sequence
 
 import torch
 
+from dtrain.kernels.accumulate import accumulate_grouped_matmul
+from dtrain.kernels.cublaslt import accumulate_grouped_scaled_mm
 from dtrain.kernels.blockwise_mm import BLOCK, dequantize, quantize_blocks, quantize_tiles
 
 ALIGN = 16  # FP8 grouped GEMMs: rows per group a multiple of this
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max
+E5M2 = torch.float8_e5m2
 
 
 def rowwise_fp8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,6 +60,26 @@ def rowwise_fp8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.exp2(torch.floor(torch.log2(E4M3_MAX / amax.clamp(min=1e-12))))
     bits = (t.float() * scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
     return bits, scale.reciprocal().squeeze(-1)
+
+
+def tensorwise_fp8(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``t`` in FP8 ``dtype`` with one scale (``max / amax``, as torchao's tensorwise casts):
+    the bits and the fp32 inverse scale."""
+    most = torch.finfo(dtype).max
+    scale = most / t.abs().amax().float().clamp(min=1e-12)
+    return (t.float() * scale).clamp(-most, most).to(dtype), scale.reciprocal()
+
+
+def fp8_weight_gradient(grad_into: torch.Tensor, grad: torch.Tensor, a: torch.Tensor,
+                        ends: torch.Tensor) -> None:
+    """``grad_into[e] += grad[rows of e]^T a[rows of e]`` in FP8 for each expert: both operands
+    transposed (the tokens along the rows the GEMM sums over) and cast with one scale each,
+    the gradient to e5m2 and ``a`` to e4m3; rows past ``ends[-1]`` (unspecified) left out of
+    the scales and the products."""
+    valid = (torch.arange(a.shape[0], device=a.device) < ends[-1]).unsqueeze(1)
+    grad_bits, grad_inverse = tensorwise_fp8(torch.where(valid, grad, 0).t().contiguous(), E5M2)
+    a_bits, a_inverse = tensorwise_fp8(torch.where(valid, a, 0).t().contiguous(), E4M3)
+    accumulate_grouped_scaled_mm(grad_into, grad_bits, a_bits, grad_inverse, a_inverse, ends)
 
 
 def group_rows(mode: str) -> int:
@@ -138,11 +166,13 @@ class GroupedLinear(torch.autograd.Function):
     unspecified in the output and get no gradient. The weight's gradient is one stacked tensor
     in the weight's dtype, returned, or with ``grad_into`` (the weight's ``.grad``) added to it
     in place, the weight then getting none from autograd (as Megatron's gradient-accumulation
-    fusion: no cast to the weight's dtype, no second pass to accumulate)."""
+    fusion: no cast to the weight's dtype, no second pass to accumulate), in FP8 where
+    ``fp8_grad`` (``fp8_weight_gradient``; FP8 modes only)."""
 
     @staticmethod
-    def forward(ctx, a, weight, ends, mode, grad_into, *operands):
+    def forward(ctx, a, weight, ends, mode, grad_into, fp8_grad, *operands):
         ctx.mode, ctx.weight_dtype, ctx.accumulate = mode, weight.dtype, grad_into is not None
+        ctx.fp8_grad = fp8_grad and mode in ("fp8", "fp8_emulated")
         ctx.save_for_backward(a, ends, grad_into, *operands)
         return _product(a, operands[:2], ends, mode)
 
@@ -155,21 +185,27 @@ class GroupedLinear(torch.autograd.Function):
         else:
             grad_a = _product(grad, operands[2:], ends, ctx.mode)
         grad_weight = None
-        if ctx.accumulate:  # into the weight's gradient, in place: one pass, no fp32 copy
+        if ctx.accumulate and ctx.fp8_grad:
+            fp8_weight_gradient(grad_into, grad, a, ends)
+        elif ctx.accumulate and ctx.mode != "blockwise_emulated":
+            # into the weight's gradient, in place: on a GPU inside each expert's GEMM
+            accumulate_grouped_matmul(grad_into, grad.t(), a, ends)
+        elif ctx.accumulate:
             grad_into.add_(weight_product(grad, a, ends, ctx.mode))  # [E, out, in]
         elif ctx.needs_input_grad[1]:  # else a frozen weight: no product
             grad_weight = weight_product(grad, a, ends, ctx.mode).to(ctx.weight_dtype)
-        return grad_a, grad_weight, None, None, None, *([None] * len(operands))
+        return grad_a, grad_weight, None, None, None, None, *([None] * len(operands))
 
 
 def grouped_linear(a: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor, mode: str,
-                   given: tuple[Sequence[torch.Tensor], torch.Tensor | None] | None = None
-                   ) -> torch.Tensor:
+                   given: tuple[Sequence[torch.Tensor], torch.Tensor | None] | None = None,
+                   fp8_grad: bool = False) -> torch.Tensor:
     """``GroupedLinear`` with the given operands and the gradient to add into (None: returned)
-    where given, else casting ``weight`` and returning its gradient."""
+    where given, else casting ``weight`` and returning its gradient; ``fp8_grad``: the
+    gradient added into in FP8."""
     operands, grad_into = given if given is not None else (cast_weight(weight, mode, a.dtype),
                                                            None)
-    return GroupedLinear.apply(a, weight, ends, mode, grad_into, *operands)
+    return GroupedLinear.apply(a, weight, ends, mode, grad_into, fp8_grad, *operands)
 
 
 def pad_groups(x: torch.Tensor, counts: torch.Tensor,

@@ -67,7 +67,7 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                    w3: torch.Tensor, mode: str = "plain",
-                   operands: list | None = None) -> torch.Tensor:
+                   operands: list | None = None, fp8_grad: bool = False) -> torch.Tensor:
     """SwiGLU of each expert on its rows of ``x`` (rows sorted by expert, ``counts[e]`` rows for
     expert e) with grouped GEMMs (``grouped_gemm.GroupedLinear``): no host sync. ``mode``:
     ``plain`` (``x``'s dtype; rows past ``counts.sum()`` unspecified in the output), or ``fp8`` /
@@ -75,15 +75,16 @@ def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: 
     blockwise) rows on the device (``grouped_gemm.pad_groups``; rows past ``counts.sum()``
     zero). ``operands``: each weight's
     cast operands and the gradient its backward adds into (``GroupedExperts.weight_operands``),
-    else each weight cast here."""
+    else each weight cast here; ``fp8_grad``: FP8 modes add the weight gradients into those in
+    FP8 (``grouped_gemm.fp8_weight_gradient``)."""
     if mode == "plain":
         rows, ends = x, torch.cumsum(counts, 0, dtype=torch.int32)
     else:
         rows, ends, dest = pad_groups(x, counts, group_rows(mode))
     op1, op2, op3 = operands or (None, None, None)
-    h = (F.silu(grouped_linear(rows, w1, ends, mode, op1))
-         * grouped_linear(rows, w3, ends, mode, op3))
-    out = grouped_linear(h, w2, ends, mode, op2)
+    h = (F.silu(grouped_linear(rows, w1, ends, mode, op1, fp8_grad))
+         * grouped_linear(rows, w3, ends, mode, op3, fp8_grad))
+    out = grouped_linear(h, w2, ends, mode, op2, fp8_grad)
     return out if mode == "plain" else unpad_groups(out, dest, counts)
 
 
@@ -111,6 +112,8 @@ class GroupedExperts(nn.Module):
         # "fp8", "fp8_emulated" or "blockwise_emulated" for FP8 grouped GEMMs (set by
         # dtrain.parallel.fp8)
         self.fp8: str | None = None
+        # fp8.experts_weight_gradient: FP8 weight gradients where added into .grad in place
+        self.fp8_weight_gradient = False
         self.w1 = nn.Parameter(torch.empty(n_experts, hidden, dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim))
@@ -139,7 +142,7 @@ class GroupedExperts(nn.Module):
         w1, w2, w3 = local(self.w1), local(self.w2), local(self.w3)
         if self.grouped(x):
             return grouped_swiglu(x, counts, w1, w2, w3, self.fp8 or "plain",
-                                  self.weight_operands(x.dtype))
+                                  self.weight_operands(x.dtype), self.fp8_weight_gradient)
         # Whole stacked casts (fp32 weights under autocast): their backward is one cast of the
         # stacked gradient, where autocast would cast each expert's slice inside the loop.
         return looped_swiglu(x, counts, *(w.to(x.dtype) for w in (w1, w2, w3)))

@@ -179,7 +179,7 @@ def convert_to_fp8(model: nn.Module, cfg: FP8Config,
             config, enable_fsdp_float8_all_gather=fp8_all_gather(cfg, fsdp), emulate=cfg.emulate)
         backend.convert_to_float8_training(model, config=config, module_filter_fn=convert)
         if cfg.experts:
-            experts = _fp8_experts(model, cfg.emulate)
+            experts = _fp8_experts(model, cfg.emulate, cfg.experts_weight_gradient == "fp8")
             kept += [name for name, m in model.named_modules()
                      if isinstance(m, GroupedExperts) and name not in experts]
     else:
@@ -191,15 +191,17 @@ def convert_to_fp8(model: nn.Module, cfg: FP8Config,
     return converted, kept, experts
 
 
-def _fp8_experts(model: nn.Module, emulate: bool) -> list[str]:
+def _fp8_experts(model: nn.Module, emulate: bool, fp8_weight_gradient: bool) -> list[str]:
     """Puts the grouped GEMMs of every MoE experts module of ``model`` whose dimensions are
-    multiples of 16 (as FP8 GEMMs need) in FP8 (``dtrain.models.grouped_gemm``); returns their
-    names."""
+    multiples of 16 (as FP8 GEMMs need) in FP8 (``dtrain.models.grouped_gemm``), their weight
+    gradients too where ``fp8_weight_gradient`` (those added into ``.grad`` in place); returns
+    their names."""
     names = []
     for name, module in model.named_modules():
         if isinstance(module, GroupedExperts) and not any(
                 size % 16 for size in module.w1.shape[1:]):
             module.fp8 = "fp8_emulated" if emulate else "fp8"
+            module.fp8_weight_gradient = fp8_weight_gradient
             names.append(name)
     return names
 
@@ -359,8 +361,14 @@ def describe_fp8(cfg: FP8Config, layers: tuple[list[str], list[str], list[str]],
     return (f"fp8: {cfg.backend} {recipe}{' with FP8 all-gather' if all_gather else ''} | "
             f"{len(converted)} linear layers in FP8"
             + (f", the experts of {len(experts)} MoE layers "
-               f"({'blockwise' if blockwise else 'rowwise'})" if experts else "")
+               f"({'blockwise' if blockwise else 'rowwise'}"
+               f"{_experts_weight_gradient(cfg)})" if experts else "")
             + f" | kept in bf16: {kept_summary(kept, cfg.filter_fqns, blockwise) or 'none'}")
+
+
+def _experts_weight_gradient(cfg: FP8Config) -> str:
+    fp8 = cfg.experts_weight_gradient == "fp8" and cfg.recipe != "blockwise"
+    return ", weight gradients tensorwise where added into .grad in place" if fp8 else ""
 
 
 def kept_summary(kept: Sequence[str], filter_fqns: Sequence[str], blockwise: bool = False) -> str:
