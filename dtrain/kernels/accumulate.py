@@ -16,6 +16,7 @@ add.
 from __future__ import annotations
 
 import functools
+import itertools
 
 import torch
 
@@ -75,13 +76,19 @@ def _(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     return None
 
 
+def groups(ends: torch.Tensor) -> list[tuple[int, slice]]:
+    """Each non-empty group of rows ending at ``ends`` (read on the host) and its rows."""
+    bounds = [0, *ends.tolist()]
+    return [(e, slice(start, end)) for e, (start, end) in enumerate(itertools.pairwise(bounds))
+            if end > start]
+
+
 def accumulate_each_group(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                          bounds: list[int]) -> None:
-    """``total[e] += a[:, s:t] @ b[s:t]`` for each group e of rows ``s:t`` (``bounds``: 0 and
-    the groups' ends, on the host), one ``accumulate_matmul`` per non-empty group."""
-    for e, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
-        if end > start:
-            accumulate_matmul(total[e], a[:, start:end], b[start:end])
+                          ends: torch.Tensor) -> None:
+    """``total[e] += a[:, rows of e] @ b[rows of e]`` for each group e of the rows ending at
+    ``ends``: one ``accumulate_matmul`` per non-empty group."""
+    for e, rows in groups(ends):
+        accumulate_matmul(total[e], a[:, rows], b[rows])
 
 
 @torch.library.custom_op("dtrain::accumulate_grouped_matmul", mutates_args=("total",))
@@ -99,7 +106,7 @@ def accumulate_grouped_matmul(total: torch.Tensor, a: torch.Tensor, b: torch.Ten
     the ends are read on the host first, a sync that waits for work queued long before (they
     were computed in the forward). Elsewhere the grouped GEMM's bf16 product, then one add."""
     if total.is_cuda and total[0].numel() >= LOOPED_VALUES and gemm_accumulates(total.device):
-        accumulate_each_group(total, a, b, [0, *ends.tolist()])
+        accumulate_each_group(total, a, b, ends)
     else:
         total.add_(torch._grouped_mm(a, b, offs=ends))
 

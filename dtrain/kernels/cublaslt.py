@@ -35,6 +35,7 @@ from collections.abc import Callable
 
 import torch
 
+from dtrain.kernels.accumulate import groups
 from dtrain.log import logger
 
 # cudaDataType_t, cublasComputeType_t, cublasOperation_t (library_types.h, cublas_api.h).
@@ -442,11 +443,9 @@ def accumulate_grouped_scaled_mm(total: torch.Tensor, a: torch.Tensor, b: torch.
     ``total [E, m, n]`` the experts' stacked fp32 gradient. One ``accumulate_scaled_mm`` per
     non-empty group, after reading the ends on the host (a sync that waits for work queued long
     before: they were computed in the forward). Rows past ``ends[-1]`` are not read."""
-    bounds = [0, *ends.tolist()]
-    for e, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
-        if end > start:
-            accumulate_scaled_mm(total[e], a[:, start:end], b[:, start:end].t(),
-                                 a_inverse_scale, b_inverse_scale)
+    for e, rows in groups(ends):
+        accumulate_scaled_mm(total[e], a[:, rows], b[:, rows].t(), a_inverse_scale,
+                             b_inverse_scale)
 
 
 @accumulate_grouped_scaled_mm.register_fake

@@ -17,10 +17,11 @@ as an operand cast from the parameter (``cast_weight``):
   is added into ``.grad`` in place, each expert's FP8 product with tensorwise scales (the
   gradient e5m2, the input e4m3, one scale each a micro-batch, as torchao's tensorwise linears
   and Transformer Engine's grouped linear compute it) added inside cuBLASLt's GEMM
-  (``dtrain.kernels.cublaslt.accumulate_grouped_scaled_mm``). FP8 takes groups of whole multiples of 16
-  rows: ``pad_groups`` spreads the sorted rows on the device into a buffer whose size does not
-  depend on the counts, so nothing is read on the host. ``fp8_emulated`` computes the same
-  rounded values in fp32 (on the CPU: tests, and machines without FP8 units).
+  (``dtrain.kernels.cublaslt.accumulate_grouped_scaled_mm``). FP8 takes groups of whole
+  multiples of 16 rows: ``pad_groups`` spreads the sorted rows on the device into a buffer
+  whose size does not depend on the counts, so nothing is read on the host in the forward.
+  ``fp8_emulated`` computes the same rounded values in fp32 (on the CPU: tests, and machines
+  without FP8 units).
 - ``blockwise_emulated``: DeepSeek-V3's blockwise recipe (``dtrain.kernels.blockwise_mm``),
   emulated: the rows in 1x128 tiles along the features, each expert's weight in 128x128 blocks
   (and its transpose's, the same values, for the input gradient), and for the weight gradient
@@ -31,9 +32,10 @@ as an operand cast from the parameter (``cast_weight``):
 The operands come from ``GroupedExperts.weight_operands`` (``dtrain.models.moe``): cast in each
 forward, or by a variant once per optimizer step (``step_cast_weight``: every micro-batch's
 forward and backward then use that operand, and each backward adds its weight gradient into the
-weight's ``.grad`` in place, ``grad_into``: ``dtrain.kernels.accumulate.accumulate_grouped_matmul``,
-on a GPU one accumulating GEMM per expert for large experts). A weight frozen at a step (``requires_grad`` False,
-read at each step) gets no gradient either way, and its product is not computed.
+weight's ``.grad`` in place, ``grad_into``: ``dtrain.kernels.accumulate``'s
+``accumulate_grouped_matmul``, on a GPU one accumulating GEMM per expert for large experts). A
+weight frozen at a step (``requires_grad`` False, read at each step) gets no gradient either
+way, and its product is not computed.
 """
 
 from __future__ import annotations
@@ -43,8 +45,8 @@ from collections.abc import Sequence
 import torch
 
 from dtrain.kernels.accumulate import accumulate_grouped_matmul
-from dtrain.kernels.cublaslt import accumulate_grouped_scaled_mm
 from dtrain.kernels.blockwise_mm import BLOCK, dequantize, quantize_blocks, quantize_tiles
+from dtrain.kernels.cublaslt import accumulate_grouped_scaled_mm
 
 ALIGN = 16  # FP8 grouped GEMMs: rows per group a multiple of this
 E4M3 = torch.float8_e4m3fn
