@@ -90,6 +90,11 @@ def run_distributed(tmp_path: Path, nproc: int, specs: list[dict]) -> list[dict]
 # with the load-balancing loss (the preset's 0.01) and a router z-loss in the gradient, 5 steps.
 MOE = {**BASE, "model.name": "mixtral_debug", "model.moe_z_loss_coeff": 1e-3,
        "training.steps": 5}
+# A 2-block Mixtral on the CPU, 2 micro-batches a step (the experts' gradients added in place)
+MIXTRAL_CPU = {"model.name": "mixtral_debug", "model.n_layers": 2, "training.device": "cpu",
+               "training.seq_len": 64, "training.global_batch_size": 4,
+               "training.micro_batch_size": 2, "training.steps": 4, "metrics.log_every": 1,
+               "metrics.tensorboard": False}
 
 
 @pytest.fixture(scope="session")

@@ -6,6 +6,7 @@ the emulation."""
 
 import pytest
 import torch
+from conftest import MIXTRAL_CPU
 
 from dtrain import load_config
 from dtrain.config import FP8Config
@@ -94,9 +95,7 @@ def test_conversion_puts_every_mixtral_experts_module_in_fp8():
     assert none == []
 
 
-MIXTRAL = {"model.name": "mixtral_debug", "model.n_layers": 2, "training.device": "cpu",
-           "training.seq_len": 64, "training.global_batch_size": 4, "training.micro_batch_size": 2,
-           "training.steps": 4, "metrics.log_every": 1, "metrics.tensorboard": False}
+MIXTRAL = MIXTRAL_CPU
 
 
 def test_mixtral_with_fp8_experts_trains_like_fp32(tmp_path, monkeypatch):

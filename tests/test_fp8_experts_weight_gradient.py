@@ -6,6 +6,7 @@ GPU, cuBLASLt's GEMMs on the column slices against the CPU's."""
 
 import pytest
 import torch
+from conftest import MIXTRAL_CPU
 
 from dtrain import load_config
 from dtrain.kernels import cublaslt
@@ -69,10 +70,7 @@ def test_a_column_slice_of_a_wider_matrix_is_an_operand():
     assert torch.equal(sliced, whole) and whole.abs().sum() > 0
 
 
-MIXTRAL = {"model.name": "mixtral_debug", "model.n_layers": 2, "training.device": "cpu",
-           "training.seq_len": 64, "training.global_batch_size": 4, "training.micro_batch_size": 2,
-           "training.steps": 4, "metrics.log_every": 1, "metrics.tensorboard": False,
-           "fp8.emulate": True}
+MIXTRAL = {**MIXTRAL_CPU, "fp8.emulate": True}
 
 
 def test_mixtral_with_fp8_expert_weight_gradients_trains_like_fp32(tmp_path, monkeypatch):
