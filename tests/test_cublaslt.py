@@ -12,7 +12,7 @@ import threading
 import pytest
 import torch
 
-from dtrain.kernels import cublaslt
+from dtrain.kernels import cublaslt, cublaslt_binding
 from dtrain.kernels.cublaslt import accumulate_scaled_mm
 
 FP8_GPU = pytest.mark.skipif(
@@ -195,7 +195,7 @@ def test_a_cublaslt_failure_on_a_call_adds_torch_s_product_after_one_warning(mon
     longer loads): each call adds torch's product, after one warning that names the failure."""
     total, a, b, scales = operands("cuda")
     assert cublaslt.works(total.device)
-    monkeypatch.setattr(cublaslt, "library_path", lambda: "/nonexistent/libcublasLt.so.13")
+    monkeypatch.setattr(cublaslt_binding, "library_path", lambda: "/nonexistent/libcublasLt.so.13")
     expected = total.double().cpu() + 2 * product(a, b, scales)
     accumulate_scaled_mm(total, a, b, *scales)
     accumulate_scaled_mm(total, a, b, *scales)
@@ -208,7 +208,7 @@ def test_a_cublaslt_failure_on_a_call_adds_torch_s_product_after_one_warning(mon
 def test_without_cublaslt_the_product_is_added_after_a_warning(monkeypatch, warnings):
     """cuBLASLt that does not load (here a path that is not there): one warning names it, and
     the sum is still right (``_scaled_mm``'s fp32 product added afterwards)."""
-    monkeypatch.setattr(cublaslt, "library_path", lambda: "/nonexistent/libcublasLt.so.13")
+    monkeypatch.setattr(cublaslt_binding, "library_path", lambda: "/nonexistent/libcublasLt.so.13")
     cublaslt.works.cache_clear()
     try:
         total, a, b, scales = operands("cuda")
@@ -260,8 +260,8 @@ def test_each_stream_has_its_own_workspace():
     sums are exact."""
     device = torch.device("cuda", torch.cuda.current_device())
     streams = torch.cuda.Stream(), torch.cuda.Stream()
-    first, second = (cublaslt.workspace(device, stream) for stream in streams)
-    assert first is cublaslt.workspace(device, streams[0])
+    first, second = (cublaslt_binding.workspace(device, stream) for stream in streams)
+    assert first is cublaslt_binding.workspace(device, streams[0])
     assert first is not second and first.data_ptr() != second.data_ptr()
     jobs = [operands("cuda", seed=0), operands("cuda", seed=3)]
     expected = [total.double().cpu() + CALLS * product(a, b, scales)
@@ -284,7 +284,7 @@ def test_each_candidate_algorithm_adds_the_exact_product():
     b = small_integers((48, 32), torch.bfloat16, "cuda", 1).t()
     start = small_integers((64, 48), torch.float32, "cuda", 2)
     total = start.clone()
-    calls = cublaslt.candidate_algorithms(total, a, b, beta=1.0, most=8)
+    calls = cublaslt_binding.candidate_algorithms(total, a, b, beta=1.0, most=8)
     assert 1 <= len(calls) <= 8
     expected = start.double().cpu() + a.double().cpu() @ b.double().cpu()
     for call in calls:

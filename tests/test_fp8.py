@@ -455,7 +455,7 @@ def test_the_step_s_fp8_weight_is_a_fresh_cast_at_every_micro_batch_bit_for_bit(
         fresh = hp_tensor_to_float8_dynamic(module.weight.t(), torch.float8_e4m3fn,
                                             module.linear_mm_config,
                                             gemm_input_role=GemmInputRole.WEIGHT)
-        reused, for_grad_input, _ = step_copy(module)
+        reused, for_grad_input, _, _ = step_copy(module)
         for step_weight in (reused, for_grad_input):
             assert torch.equal(step_weight._data.view(torch.uint8),
                                fresh._data.view(torch.uint8))

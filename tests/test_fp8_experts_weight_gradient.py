@@ -13,6 +13,7 @@ from dtrain.kernels import cublaslt
 from dtrain.kernels.cublaslt import accumulate_scaled_mm
 from dtrain.models import grouped_gemm
 from dtrain.models.grouped_gemm import E4M3, E5M2, fp8_weight_gradient, pad_groups, tensorwise_fp8
+from dtrain.run import feature_lines
 from dtrain.trainer import Trainer
 
 
@@ -84,6 +85,11 @@ def test_mixtral_with_fp8_expert_weight_gradients_trains_like_fp32(tmp_path, mon
                           ("bf16_grad", {"fp8.enabled": True}), ("fp32", {})):
         trainer = Trainer(load_config("debug", {**MIXTRAL, **changes,
                                                 "job.output_dir": str(tmp_path / name)}))
+        if name != "fp32":  # the start-up line says which weight gradients are FP8
+            (line,) = [line for line in feature_lines(trainer) if line.startswith("fp8:")]
+            assert ("the experts of 2 MoE layers (rowwise, weight gradients tensorwise where "
+                    "added into .grad in place)" in line) is (name == "fp8_grad"), line
+            assert "the experts of 2 MoE layers (rowwise" in line, line
         runs[name] = [r["loss"] for r in trainer.train()]
         if name == "fp8_grad":
             # 3 weights x 2 layers x 2 micro-batches x 4 steps, all in FP8

@@ -53,11 +53,12 @@ def test_casting_once_per_step_trains_exactly_as_autocast_and_autograd(tmp_path,
             assert len(hook.layers) == 2 * 7 + 1
             real = linears.accumulate_matmul
             monkeypatch.setattr(linears, "accumulate_matmul",
-                                lambda total, a, b, real=real, products=products:
-                                products.append(a.dtype) or real(total, a, b))
+                                lambda total, a, b, tune, real=real, products=products:
+                                products.append(a.dtype) or real(total, a, b, tune))
 
             def seen(module, args, grads_seen=grads_seen):  # the step's copy in each forward
-                weight, grad = step_copy(module)
+                weight, grad, tune = step_copy(module)
+                assert tune is False  # compile.tune_kernels is off in the debug recipe
                 assert weight.dtype == torch.bfloat16 and grad is module.weight.grad
                 grads_seen.setdefault(id(module), []).append(id(grad))
 

@@ -6,8 +6,9 @@ cuBLASLt's heuristic offers (GPU only).
 For each linear's forward (``x @ W^T``), input gradient (``dy @ W``) and weight gradient
 (``grad += dy^T @ x`` into fp32, as the step weights' accumulation does), it times ``torch.mm`` /
 ``torch.addmm`` with cuBLAS, the same with torch's cuBLASLt path, cuBLASLt's first heuristic
-algorithm, and the fastest of up to 32 it lists (``dtrain.kernels.cublaslt.candidate_algorithms``,
-on the cuBLASLt torch loaded). Each figure is the mean of 30 calls after 5.
+algorithm, and the fastest of up to 32 it lists
+(``dtrain.kernels.cublaslt_binding.candidate_algorithms``, on the cuBLASLt torch loaded). Each
+figure is the mean of 30 calls after 5.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import argparse
 import torch
 from fused_gemm_bench import timed  # tools/ is the script's own folder
 
-from dtrain.kernels.cublaslt import candidate_algorithms
+from dtrain.kernels.cublaslt_binding import candidate_algorithms
 
 DIM, FFN, KV, VOCAB = 4096, 14336, 1024, 128256
 

@@ -4,7 +4,9 @@ fp32 in the GEMM's epilogue, never rounded to bf16, and no second pass reads it 
 Megatron-LM's gradient-accumulation fusion writes weight gradients into its fp32 main gradients;
 elsewhere the product, then an add. ``gemm_accumulates(device)`` says whether the first works
 on a device (checked once, against an exact sum); where it does not, the second runs, after one
-warning. The FP8 GEMM of the same kind is ``dtrain.kernels.cublaslt``.
+warning. With ``tune``, the GEMM is cuBLASLt's, with the fastest of its algorithms for the
+shapes (``dtrain.kernels.cublaslt_binding``). The FP8 GEMM of the same kind is
+``dtrain.kernels.cublaslt``.
 
 ``accumulate_grouped_matmul`` does the same for the MoE experts' stacked weight gradients,
 ``total[e] += a[:, rows of e] @ b[rows of e]``: on a GPU, for experts whose weight is large
@@ -20,6 +22,7 @@ import itertools
 
 import torch
 
+from dtrain.kernels.cublaslt_binding import FAILURES, matmul_into, takes
 from dtrain.log import logger
 
 # An expert's weight of at least this many values gets its own accumulating GEMM. The add that
@@ -58,12 +61,22 @@ def gemm_accumulates(device: torch.device) -> bool:
 
 
 @torch.library.custom_op("dtrain::accumulate_matmul", mutates_args=("total",))
-def accumulate_matmul(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+def accumulate_matmul(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                      tune: bool = False) -> None:
     """``total += a @ b`` in place: ``a`` and ``b`` in the compute dtype, ``total`` a weight's
     fp32 gradient. On a GPU one GEMM that accumulates into ``total`` (cuBLAS's beta = 1: the
     product is summed in fp32, never rounded to bf16, and no second pass reads it back: Megatron's
     gradient-accumulation fusion); elsewhere the product, then an add. The dtypes are the
-    operands' own, whatever autocast is on."""
+    operands' own, whatever autocast is on. ``tune``: on a GPU, cuBLASLt's fastest algorithm
+    for these shapes, timed at their first call (``dtrain.kernels.cublaslt_binding``), for
+    products whose shapes repeat; operands it does not take (``takes``) run the GEMM above, and
+    so does a call where cuBLASLt fails, after a warning."""
+    if total.is_cuda and tune and total.is_contiguous() and takes(a) and takes(b):
+        try:
+            matmul_into(total, a, b, tune=True)
+            return
+        except FAILURES as error:
+            warn_untuned(str(error).splitlines()[0])
     if total.is_cuda and gemm_accumulates(total.device):
         with torch.autocast("cuda", enabled=False):
             torch.addmm(total, a, b, out_dtype=total.dtype, out=total)
@@ -72,8 +85,16 @@ def accumulate_matmul(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> 
 
 
 @accumulate_matmul.register_fake
-def _(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+def _(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor, tune: bool = False) -> None:
     return None
+
+
+@functools.cache
+def warn_untuned(reason: str) -> None:
+    """Logs that a tuned accumulating GEMM runs as torch's ``addmm`` instead, and why: once
+    per distinct ``reason``."""
+    logger.warning("the tuned accumulating GEMM (cuBLASLt) failed (%s): torch's addmm runs it, "
+                   "with cuBLAS's own choice of algorithm", reason)
 
 
 def groups(ends: torch.Tensor) -> list[tuple[int, slice]]:

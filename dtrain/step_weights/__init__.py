@@ -63,7 +63,10 @@ class StepPlan:
     schedule runs the micro-batches' backwards apart (their weight gradients go through
     autograd); ``units``: the overlapped step's units without FSDP, whose casts wait for each
     unit's update; ``linears``, ``experts``, ``fp8``: ``model.cast_weights_once_per_step``,
-    ``model.moe_cast_weights_once_per_step`` and torchao's ``fp8.cast_weights_once_per_step``."""
+    ``model.moe_cast_weights_once_per_step`` and torchao's ``fp8.cast_weights_once_per_step``;
+    ``tune``: the dense layers' GEMMs that add into ``.grad`` (shapes that repeat every
+    micro-batch) run cuBLASLt's fastest algorithm for their shapes, timed at their first call
+    (``compile.tune_kernels``, not with ``training.deterministic``)."""
 
     compute_dtype: torch.dtype
     micro_batches: int
@@ -74,6 +77,7 @@ class StepPlan:
     linears: bool = True
     experts: bool = True
     fp8: bool = False
+    tune: bool = False
 
 
 def step_weight_hooks(model_parts: Sequence[nn.Module], plan: StepPlan) -> list[StepCopies]:
@@ -84,10 +88,11 @@ def step_weight_hooks(model_parts: Sequence[nn.Module], plan: StepPlan) -> list[
 
         if linears := step_cast_linears(model_parts):
             hooks.append(StepWeightCast(linears, plan.compute_dtype, into_grad=not plan.pipeline,
-                                        units=plan.units, one_micro_batch=plan.micro_batches == 1))
+                                        units=plan.units, one_micro_batch=plan.micro_batches == 1,
+                                        tune=plan.tune))
     if plan.linears and plan.micro_batches > 1 and plan.autocast and not plan.pipeline:
         if linears := step_weight_linears(model_parts):
-            hooks.append(StepLinearWeights(linears, plan.compute_dtype, plan.units))
+            hooks.append(StepLinearWeights(linears, plan.compute_dtype, plan.units, plan.tune))
         if tables := step_grad_embeddings(model_parts):
             hooks.append(StepEmbeddingGrads(tables, plan.units))
     if plan.experts and plan.whole_weights and not plan.pipeline:

@@ -42,8 +42,9 @@ def _forward(self, input: torch.Tensor) -> torch.Tensor:
         input = input.to(torch.get_autocast_dtype("cuda"))
     from dtrain.step_weights.fp8_matmul import MatmulWithStepWeight
 
-    output = MatmulWithStepWeight.apply(input, *self._step, self.linear_mm_config,
-                                        self.config)
+    *weights, tune = self._step
+    output = MatmulWithStepWeight.apply(input, *weights, self.linear_mm_config, self.config,
+                                        tune)
     if self.bias is not None:
         output = output + self.bias.to(output.dtype)
     return output
@@ -174,13 +175,16 @@ class StepWeightCast(StepCopies):
     gradients through autograd); ``one_micro_batch``: the step has one, whose weight gradients
     the products write in fp32 as the ``.grad``; with several, each product adds into a zeroed
     fp32 ``.grad`` (``accumulate``), both where ``into_grad`` and all the layers' casts allow
-    (``fp8_matmul``); ``units``: see ``StepCopies``."""
+    (``fp8_matmul``); ``units``: see ``StepCopies``; ``tune``: those GEMMs that add into
+    ``.grad`` run cuBLASLt's fastest algorithm for their shapes
+    (``dtrain.kernels.cublaslt_binding``)."""
 
     def __init__(self, linears: Sequence[nn.Module], dtype: torch.dtype, into_grad: bool,
-                 units: Sequence[nn.Module] = (), one_micro_batch: bool = False):
+                 units: Sequence[nn.Module] = (), one_micro_batch: bool = False,
+                 tune: bool = False):
         from dtrain.step_weights.fp8_matmul import own_weight_grad_product_supported
 
-        self.dtype, self.into_grad = dtype, into_grad
+        self.dtype, self.into_grad, self.tune = dtype, into_grad, tune
         own_product = into_grad and all(own_weight_grad_product_supported(m.config)
                                         for m in linears)
         self.grad_fp32 = own_product and one_micro_batch
@@ -190,11 +194,13 @@ class StepWeightCast(StepCopies):
     def cast(self, linears: Sequence[nn.Module]) -> None:
         with torch.enable_grad():
             for linear in linears:
-                linear._step = cast_weight_t(linear, self.dtype, self.into_grad, self.grad_fp32,
-                                             self.accumulate)
+                linear._step = (*cast_weight_t(linear, self.dtype, self.into_grad,
+                                               self.grad_fp32, self.accumulate), self.tune)
 
     def describe(self) -> str:
-        grads = ("added into fp32 .grad in the GEMM" if self.accumulate
+        tuned = (" (cuBLASLt's fastest algorithms, timed at the first step)"
+                 if self.tune and self.layers[0].weight.is_cuda else "")
+        grads = (f"added into fp32 .grad in the GEMM{tuned}" if self.accumulate
                  else "written in fp32 as .grad" if self.grad_fp32
                  else "added into .grad in place" if self.into_grad else "through autograd")
         return (f"{len(self.layers)} FP8 linears cast once per step, their weight gradients "

@@ -59,9 +59,10 @@ def accumulates_in_the_gemm(grad: torch.Tensor, config) -> bool:
 
 
 def _accumulate_grad_weight(grad: torch.Tensor, grad_fp8: Float8TrainingTensor,
-                           input_fp8: Float8TrainingTensor, config) -> None:
+                           input_fp8: Float8TrainingTensor, config, tune: bool) -> None:
     """``grad += grad_fp8.t() @ input_fp8`` in place: the weight gradient's product of the FP8
-    gradient and input, added into the weight's fp32 ``.grad`` (on the GPU in the GEMM)."""
+    gradient and input, added into the weight's fp32 ``.grad`` (on the GPU in the GEMM, with
+    cuBLASLt's fastest algorithm for its shapes where ``tune``)."""
     if not accumulates_in_the_gemm(grad, config):
         # torchao's product (emulated on the CPU or under fp8.emulate; bf16 under autocast),
         # then the add
@@ -74,27 +75,28 @@ def _accumulate_grad_weight(grad: torch.Tensor, grad_fp8: Float8TrainingTensor,
     accumulate_scaled_mm(grad, grad_fp8._data.t().contiguous(),
                          input_fp8._data.t().contiguous().t(), grad_fp8._scale.reciprocal(),
                          input_fp8._scale.reciprocal(),
-                         config.gemm_config_grad_weight.use_fast_accum)
+                         config.gemm_config_grad_weight.use_fast_accum, tune)
 
 
 @torch._dynamo.allow_in_graph
 class MatmulWithStepWeight(matmul_with_hp_or_float8_args):
-    """``apply(input, weight_t, weight_t_for_grad_input, grad, linear_mm_config, config)``: the
-    two weights are FP8 tensors of the same bits and scale; the second is the one the
-    backward's input-gradient product reads (column-major once transposed back) and gets no
+    """``apply(input, weight_t, weight_t_for_grad_input, grad, linear_mm_config, config,
+    tune)``: the two weights are FP8 tensors of the same bits and scale; the second is the one
+    the backward's input-gradient product reads (column-major once transposed back) and gets no
     gradient. The weight gradient comes in ``weight_t``'s dtype (fp32: see the module's
-    docstring), or, given ``grad`` (the weight's fp32 ``.grad``), is added into it in place and
-    ``weight_t`` gets none."""
+    docstring), or, given ``grad`` (the weight's fp32 ``.grad``), is added into it in place
+    (``tune``: by cuBLASLt's fastest algorithm for its shapes) and ``weight_t`` gets none."""
 
     @staticmethod
     def forward(ctx, input_hp, weight_t, weight_t_for_grad_input, grad, linear_mm_config,
-                config):
+                config, tune=False):
         output = matmul_with_hp_or_float8_args.forward(ctx, input_hp, weight_t,
                                                        linear_mm_config, config)
         # in place of weight_t (torchao's backward reads these two)
         ctx.save_for_backward(input_hp, weight_t_for_grad_input,
                               *(() if grad is None else (grad,)))
         ctx.grad_weight_fp32, ctx.accumulate = weight_t.dtype == torch.float32, grad is not None
+        ctx.tune = tune
         return output
 
     @staticmethod
@@ -102,7 +104,7 @@ class MatmulWithStepWeight(matmul_with_hp_or_float8_args):
         if not (ctx.accumulate or ctx.grad_weight_fp32):
             grad_input, grad_weight_t, *_ = matmul_with_hp_or_float8_args.backward(ctx,
                                                                                    grad_output)
-            return grad_input, grad_weight_t, None, None, None, None
+            return grad_input, grad_weight_t, None, None, None, None, None
         input_hp, weight_t, *grad = ctx.saved_tensors
         config, mm_config = ctx.config, ctx.linear_mm_config
         rows = grad_output.reshape(-1, grad_output.shape[-1])
@@ -115,8 +117,8 @@ class MatmulWithStepWeight(matmul_with_hp_or_float8_args):
                  GemmInputRole.INPUT)))
         grad_input = torch.mm(grad_fp8, weight_t.t()).reshape(*grad_output.shape[:-1], -1)
         if ctx.accumulate:
-            _accumulate_grad_weight(grad[0], grad_fp8, input_fp8, config)
-            return grad_input, None, None, None, None, None
+            _accumulate_grad_weight(grad[0], grad_fp8, input_fp8, config, ctx.tune)
+            return grad_input, None, None, None, None, None, None
         with torch.autocast(rows.device.type, enabled=False):  # the backward may run under it
             grad_weight = torch.mm(_as(grad_fp8, torch.float32).t(), input_fp8)
-        return grad_input, grad_weight.t(), None, None, None, None
+        return grad_input, grad_weight.t(), None, None, None, None, None

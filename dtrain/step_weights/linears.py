@@ -43,11 +43,13 @@ from dtrain.step_weights.copies import StepCopies
 class LinearInto(torch.autograd.Function):
     """``F.linear(x, weight)`` with ``weight`` the step's copy of a parameter in the compute
     dtype; the weight gradient is added into ``grad`` (the parameter's fp32 ``.grad``) in place
-    by ``accumulate_matmul``, and the copy gets none from autograd."""
+    by ``accumulate_matmul`` (``tune``: with cuBLASLt's fastest algorithm for its shapes), and
+    the copy gets none from autograd."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-        ctx.input_dtype = x.dtype
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor,
+                tune: bool = False) -> torch.Tensor:
+        ctx.input_dtype, ctx.tune = x.dtype, tune
         x = x.to(weight.dtype)
         ctx.save_for_backward(x, weight, grad)
         return F.linear(x, weight)
@@ -56,8 +58,8 @@ class LinearInto(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         x, weight, grad = ctx.saved_tensors
         grad_out = grad_out.to(weight.dtype)
-        accumulate_matmul(grad, grad_out.flatten(0, -2).t(), x.flatten(0, -2))
-        return (grad_out @ weight).to(ctx.input_dtype), None, None
+        accumulate_matmul(grad, grad_out.flatten(0, -2).t(), x.flatten(0, -2), ctx.tune)
+        return (grad_out @ weight).to(ctx.input_dtype), None, None, None
 
 
 def _forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
@@ -66,11 +68,11 @@ def _forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
     first step)."""
     if self._step is None or not torch.is_grad_enabled():
         return type(self).forward(self, input)
-    weight, grad = self._step
+    weight, grad, tune = self._step
     if grad is None:  # frozen: autocast's product, from the step's copy
         output = F.linear(input.to(weight.dtype), weight)
     else:
-        output = LinearInto.apply(input, weight, grad)
+        output = LinearInto.apply(input, weight, grad, tune)
     return output if self.bias is None else output + self.bias.to(output.dtype)
 
 
@@ -92,20 +94,24 @@ class StepLinearWeights(StepCopies):
     ``.grad`` (where it has none; none where frozen: ``step_grad``); every micro-batch's forward
     uses the copies, and its backward adds the weight gradients into ``.grad`` in place
     (``LinearInto``); the copies are dropped before the update (their values would be stale
-    after it). ``units``: see ``StepCopies``."""
+    after it). ``units``: see ``StepCopies``; ``tune``: the GEMMs that add into ``.grad`` run
+    cuBLASLt's fastest algorithm for their shapes (``dtrain.kernels.cublaslt_binding``)."""
 
     def __init__(self, linears: Sequence[nn.Linear], dtype: torch.dtype,
-                 units: Sequence[nn.Module] = ()):
-        self.dtype = dtype
+                 units: Sequence[nn.Module] = (), tune: bool = False):
+        self.dtype, self.tune = dtype, tune
         super().__init__(linears, _forward, units)
 
     def cast(self, linears: Sequence[nn.Linear]) -> None:
         for linear in linears:
-            linear._step = (linear.weight.detach().to(self.dtype), step_grad(linear.weight))
+            linear._step = (linear.weight.detach().to(self.dtype), step_grad(linear.weight),
+                            self.tune)
 
     def describe(self) -> str:
+        tuned = (", by cuBLASLt's fastest algorithms (timed at the first step)"
+                 if self.tune and self.layers[0].weight.is_cuda else "")
         return (f"{len(self.layers)} linears cast to {str(self.dtype).removeprefix('torch.')} "
-                f"once per step, their gradients added into fp32 .grad in place")
+                f"once per step, their gradients added into fp32 .grad in place{tuned}")
 
 
 class EmbeddingInto(torch.autograd.Function):
