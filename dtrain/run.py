@@ -154,7 +154,7 @@ class Run:
                                                                        self.device.type)
         units_on_gpu = fsdp_units_on_gpu(self.device, self.world_size, self.dims.fsdp_enabled,
                                          self.dims.pp, cfg.parallel.fsdp_cpu_offload)
-        overlap = cfg.optimizer.overlap_step and (units_on_gpu or self.whole_dense_on_gpu())
+        overlap = cfg.optimizer.overlap_step and (units_on_gpu or self.whole_weights_on_gpu())
         # FP8 all-gather under the overlapped step: each unit's scales right after its update,
         # on a communicator of their own (fp8.UnitScales).
         unit_scales = UnitScales(self.model_parts, dist.new_group()) \
@@ -194,14 +194,14 @@ class Run:
             if cfg.parallel.fsdp_reshard_after_forward == "auto" and units_on_gpu else None,
         ])
 
-    def whole_dense_on_gpu(self) -> bool:
-        """One GPU holding a dense model's whole weights (no FSDP, TP nor pipeline): where the
-        overlapped step runs block by block, its hooks' weight casts each block's in turn.
-        Not for MoE models (their experts' casts run before the step) nor Transformer Engine's
-        linears (not measured with it)."""
+    def whole_weights_on_gpu(self) -> bool:
+        """One GPU holding a model's whole weights (no FSDP, TP, EP nor pipeline): where the
+        overlapped step runs block by block, its hooks' weight casts each block's in turn (the
+        linears', and an MoE block's experts'). Not with Transformer Engine's linears (not
+        measured with them)."""
         dims, fp8 = self.dims, self.config.fp8
         return (self.device.type == "cuda" and not dims.fsdp_enabled and dims.tp == 1
-                and dims.pp == 1 and not self.model.args.n_experts
+                and dims.ep == 1 and dims.pp == 1
                 and not (fp8.enabled and fp8.backend == "te"))
 
     def _step_plan(self) -> StepPlan:

@@ -139,7 +139,7 @@ def test_block_by_block_step_with_casts_per_block_trains_exactly_as_the_whole_st
     from dtrain.step_weights.linears import StepLinearWeights
 
     if device == "cpu":
-        monkeypatch.setattr(Run, "whole_dense_on_gpu", lambda self: True)
+        monkeypatch.setattr(Run, "whole_weights_on_gpu", lambda self: True)
     layout = {"bf16": {"training.mixed_precision": "bf16"},
               "fp8": {"fp8.enabled": True, "fp8.emulate": device == "cpu"}}[precision]
     hook_type = StepLinearWeights if precision == "bf16" else StepWeightCast
@@ -172,3 +172,41 @@ def test_block_by_block_step_with_casts_per_block_trains_exactly_as_the_whole_st
 
     noise = distance(runs[False], runs[None]) if device == "cuda" else 0.0
     assert distance(runs[True], runs[False]) <= noise
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_block_by_block_step_of_an_moe_model_trains_exactly_as_the_whole_step(
+        tmp_path, monkeypatch, precision):
+    """The same for a Mixtral-like model on one device: each block's experts are cast (bf16,
+    or FP8 rowwise) before the block's first forward of the step, after its update, and their
+    gradients are added into ``.grad`` in place as in the whole step: losses, gradient norms and
+    weights equal the whole step's, bit for bit (on the CPU, the block-by-block path switched
+    on for the test)."""
+    from conftest import MIXTRAL_CPU
+
+    from dtrain.run import Run
+    from dtrain.step_weights.experts import StepExpertWeights
+
+    monkeypatch.setattr(Run, "whole_weights_on_gpu", lambda self: True)
+    layout = {"bf16": {"training.mixed_precision": "bf16", "model.moe_gemm": "grouped"},
+              "fp8": {"fp8.enabled": True, "fp8.emulate": True}}[precision]
+    runs = {}
+    for overlap in (True, False):
+        trainer = Trainer(load_config("debug", {
+            **MIXTRAL_CPU, **layout, "training.steps": 3, "optimizer.overlap_step": overlap,
+            "job.output_dir": str(tmp_path / str(overlap))}))
+        hook = next(h for h in trainer.hooks.hooks if isinstance(h, StepExpertWeights))
+        assert (trainer.overlapped_step is not None) is overlap
+        assert (hook.per_unit is not None) is overlap
+        casts = []
+        if overlap:
+            cast = hook.per_unit.cast
+            hook.per_unit.cast = lambda members, cast=cast, casts=casts: \
+                casts.append(len(members)) or cast(members)
+        history = trainer.train()
+        runs[overlap] = ([(r["loss"], r["grad_norm"]) for r in history],
+                         [p.detach().float().cpu() for p in trainer.model.parameters()])
+        if overlap:  # each block's experts once a step, when the block first runs
+            assert casts == [1, 1] * 3
+    assert runs[True][0] == runs[False][0]
+    assert all(torch.equal(a, b) for a, b in zip(runs[True][1], runs[False][1], strict=True))

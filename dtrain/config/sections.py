@@ -136,9 +136,9 @@ class OptimizerConfig:
     overlap_step: bool = True
     """On CUDA under FSDP (without pipeline parallel or CPU offload): run the step one FSDP unit
     at a time on a side stream, each unit's next all-gather waiting only for its own update, so
-    that the updates overlap the next forward. On one GPU with the whole weights of a dense
-    model (no TP, pipeline or Transformer Engine): the same block by block, each block's forward
-    waiting for its own update. The same updates; off runs the step whole."""
+    that the updates overlap the next forward. On one GPU with the whole weights of a model,
+    dense or MoE (no TP, EP, pipeline or Transformer Engine): the same block by block, each
+    block's forward waiting for its own update. The same updates; off runs the step whole."""
 
 
 @dataclass
