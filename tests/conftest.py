@@ -1,4 +1,5 @@
 import contextlib
+import importlib.util
 import json
 import os
 import re
@@ -8,8 +9,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+# On a machine without CUDA where Triton is installed (CI installs it), dtrain's Triton kernels
+# run in Triton's interpreter (tests/test_kernels.py). It must be on before a kernel is defined.
+if not torch.cuda.is_available() and importlib.util.find_spec("triton") is not None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # Child processes import this checkout first, and whatever the parent's PYTHONPATH adds after it
 # (packages installed there, as on the GPU machines).
 PYTHONPATH = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])

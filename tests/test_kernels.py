@@ -1,13 +1,16 @@
 """dtrain.kernels: the RoPE and cross-entropy custom ops against PyTorch's own computation.
 
 On the CPU the ops run their PyTorch reference path, which checks the ops' own backward formulas
-(the angles negated; softmax minus one-hot) and their use inside compiled code; the Triton
-kernels themselves run only on CUDA (the tests marked so; CI has no GPU and reports them as
-skipped, their H200 output is in docs/benchmarks.md)."""
+(the angles negated; softmax minus one-hot) and their use inside compiled code. The Triton
+kernels run through the ops on CUDA (the tests marked so: reported as skipped without a GPU,
+their H200 output is in docs/benchmarks.md), and called directly in Triton's interpreter on a
+machine without CUDA where Triton is installed (``conftest.INTERPRETED``; CI installs it): the
+kernels' own arithmetic, masks and strides, on CPU tensors."""
 
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import INTERPRETED
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dtrain.kernels.cross_entropy import cross_entropy_sum
@@ -17,6 +20,8 @@ from dtrain.step import cross_entropy_sum as reference_cross_entropy_sum
 from dtrain.step import fused_cross_entropy_sum
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels need CUDA")
+interpreted = pytest.mark.skipif(not INTERPRETED, reason="needs Triton installed, for its "
+                                 "interpreter (CI installs it)")
 
 
 def _rope_inputs(device, dtype, batch=2, seq=48, heads=3, head_dim=16, seed=0):
@@ -194,3 +199,62 @@ def test_an_unused_log_sum_exp_costs_no_gradient_pass():
     assert gradient_op in loss_ops.names and "aten::exp" not in loss_ops.names
     assert gradient_op not in lse_ops.names and "aten::exp" in lse_ops.names
     torch.testing.assert_close(alone.grad, torch.softmax(logits, -1), rtol=1e-6, atol=1e-9)
+
+
+# ---- The Triton kernels in Triton's interpreter (no CUDA) ----------------------------------
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rope_kernel_in_the_interpreter_rotates_as_the_reference(dtype):
+    # The kernel's rows, pairs and angles: its rotation and its inverse (the angles negated,
+    # the backward) against PyTorch's products in fp32; a row count that is no multiple of the
+    # kernel's block of rows. One bf16 ulp (2^-7 relative) for the rounding of the last bit.
+    from dtrain.kernels import gpu
+
+    x, cache = _rope_inputs("cpu", dtype, batch=2, seq=37, heads=3, head_dim=64)
+    cos_sin = torch.view_as_real(cache[:37]).contiguous()
+    tolerance = {"rtol": 2 ** -7, "atol": 1e-6} if dtype == torch.bfloat16 else \
+        {"rtol": 1e-6, "atol": 1e-6}
+    for sign in (1.0, -1.0):
+        expected = rope(x, cos_sin, sign)  # the CPU's PyTorch path
+        torch.testing.assert_close(gpu.rope(x, cos_sin, sign), expected, **tolerance)
+    back = gpu.rope(gpu.rope(x.float(), cos_sin, 1.0), cos_sin, -1.0)
+    torch.testing.assert_close(back, x.float(), rtol=1e-5, atol=1e-5)
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cross_entropy_kernels_in_the_interpreter_equal_the_reference(dtype):
+    # Rows of a vocabulary that is no multiple of the kernels' 4096-wide block, logits rows
+    # strided (a slice of wider rows), ignored rows: each row's loss (0 where ignored) and
+    # log-sum-exp, and the gradient g * (softmax - one-hot) in the logits' dtype.
+    from dtrain.kernels import gpu
+
+    wide, labels = _logits("cpu", dtype, rows=12, vocab=5000)
+    logits = wide[:, :4500]
+    assert logits.stride(0) == 5000
+    loss, lse = gpu.cross_entropy_forward(logits, labels, -100)
+    reference = logits.float()
+    expected = F.cross_entropy(reference, labels, reduction="none")
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, torch.logsumexp(reference, -1), rtol=1e-6, atol=1e-5)
+    assert torch.equal(loss[::5], torch.zeros_like(loss[::5]))
+    grad = gpu.cross_entropy_backward(logits, labels, lse, torch.tensor(0.5), -100)
+    softmax = torch.softmax(reference, -1)
+    one_hot = F.one_hot(labels.clamp(min=0), 4500).float()
+    want = (0.5 * (softmax - one_hot)) * (labels != -100)[:, None]
+    tolerance = {"rtol": 2 ** -7, "atol": 1e-7} if dtype == torch.bfloat16 else \
+        {"rtol": 1e-5, "atol": 1e-8}
+    assert grad.dtype == dtype
+    torch.testing.assert_close(grad.float(), want, **tolerance)
+
+
+@interpreted
+def test_cross_entropy_kernel_in_the_interpreter_turns_an_infinite_logit_into_a_non_finite_loss():
+    from dtrain.kernels import gpu
+
+    logits, labels = _logits("cpu", torch.bfloat16, rows=4, vocab=300)
+    labels[:] = 1
+    logits[2, 7] = float("inf")
+    loss, _ = gpu.cross_entropy_forward(logits, labels, -100)
+    assert torch.isfinite(loss[[0, 1, 3]]).all() and not torch.isfinite(loss[2])
