@@ -216,7 +216,7 @@ class Run:
             linears=cfg.model.cast_weights_once_per_step,
             experts=cfg.model.moe_cast_weights_once_per_step,
             fp8=cfg.fp8.enabled and cfg.fp8.backend != "te" and cfg.fp8.cast_weights_once_per_step,
-            tune=cfg.compile.tune_kernels and not cfg.training.deterministic)
+            tune=cfg.compile.tune_gemms and not cfg.training.deterministic)
 
     def _build_reporting(self) -> None:
         cfg, tcfg = self.config, self.config.training

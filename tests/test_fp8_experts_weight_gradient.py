@@ -75,10 +75,14 @@ MIXTRAL = {**MIXTRAL_CPU, "fp8.emulate": True}
 
 
 def test_mixtral_with_fp8_expert_weight_gradients_trains_like_fp32(tmp_path, monkeypatch):
-    calls = []
+    calls, ends_seen, reads = [], set(), []
     grouped = grouped_gemm.accumulate_grouped_scaled_mm
     monkeypatch.setattr(grouped_gemm, "accumulate_grouped_scaled_mm",
-                        lambda *args: calls.append(1) or grouped(*args))
+                        lambda *args: calls.append(1) or ends_seen.add(id(args[-1]))
+                        or grouped(*args))
+    tolist = torch.Tensor.tolist  # the groups' ends read on the host
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: (
+        reads.append(1) if id(self) in ends_seen else None) or tolist(self))
     runs = {}
     for name, changes in (("fp8_grad", {"fp8.enabled": True,
                                         "fp8.experts_weight_gradient": "fp8"}),
@@ -92,8 +96,9 @@ def test_mixtral_with_fp8_expert_weight_gradients_trains_like_fp32(tmp_path, mon
             assert "the experts of 2 MoE layers (rowwise" in line, line
         runs[name] = [r["loss"] for r in trainer.train()]
         if name == "fp8_grad":
-            # 3 weights x 2 layers x 2 micro-batches x 4 steps, all in FP8
-            assert len(calls) == 3 * 2 * 2 * 4
+            # 3 weights x 2 layers x 2 micro-batches x 4 steps, all in FP8; the three weights
+            # of a layer and micro-batch read their groups' ends on the host once
+            assert len(calls) == 3 * 2 * 2 * 4 and len(reads) == 2 * 2 * 4
     assert len(calls) == 48  # the bf16 weight gradients' run made none
     assert runs["fp8_grad"] == pytest.approx(runs["fp32"], rel=1e-2)
     assert runs["fp8_grad"][1:] != runs["bf16_grad"][1:]  # the first step's loss is before any
@@ -106,7 +111,13 @@ def test_on_the_gpu_the_fp8_weight_gradients_are_cublaslt_s_on_the_slices(monkey
     fallbacks = []
     monkeypatch.setattr(cublaslt, "warn_fallback", fallbacks.append)
     total, grad, a, ends = _experts([300, 0, 1000, 52, 17], 1024, 512, "cuda")
-    expected = _reference(total, grad, a, ends)
+    before = total.double().cpu()
+    expected = _reference(total, grad, a, ends).cpu()
     fp8_weight_gradient(total, grad, a, ends)
     assert fallbacks == [] and cublaslt.works(total.device)
-    torch.testing.assert_close(total.double().cpu(), expected.cpu(), rtol=1e-5, atol=1e-3)
+    # Hopper's FP8 tensor cores sum in a narrower accumulator between the GEMM's fp32
+    # promotions: on an H100 the largest difference from the fp64 sums was 0.026 (21.9% of the
+    # values past 1e-3). A wrong slice or scale would be wrong by the products' own size.
+    largest = (expected - before).abs().max().item()
+    error = (total.double().cpu() - expected).abs().max().item()
+    assert error < 1e-3 * largest, (error, largest)

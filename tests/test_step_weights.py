@@ -15,6 +15,7 @@ from dtrain.kernels.accumulate import (
     accumulate_grouped_matmul,
     accumulate_matmul,
     gemm_accumulates,
+    host_ends,
 )
 from dtrain.step_weights import linears
 from dtrain.step_weights.copies import step_copy
@@ -58,7 +59,7 @@ def test_casting_once_per_step_trains_exactly_as_autocast_and_autograd(tmp_path,
 
             def seen(module, args, grads_seen=grads_seen):  # the step's copy in each forward
                 weight, grad, tune = step_copy(module)
-                assert tune is False  # compile.tune_kernels is off in the debug recipe
+                assert tune is False  # compile.tune_gemms is off by default
                 assert weight.dtype == torch.bfloat16 and grad is module.weight.grad
                 grads_seen.setdefault(id(module), []).append(id(grad))
 
@@ -228,3 +229,13 @@ def test_on_the_gpu_large_experts_accumulate_in_their_own_gemms(large):
         assert error < rounded_error / 4
     else:  # the grouped GEMM's bf16 product, added
         assert error < 2 * rounded_error
+
+
+def test_the_groups_ends_are_read_once_per_tensor_and_again_after_a_change():
+    ends = torch.tensor([3, 3, 7], dtype=torch.int32)
+    first = host_ends(ends)
+    assert first == [3, 3, 7] and host_ends(ends) is first  # one read serves the three weights
+    ends[1] = 5  # changed in place: read again
+    assert host_ends(ends) == [3, 5, 7]
+    other = ends.clone()
+    assert host_ends(other) == [3, 5, 7] and host_ends(other) is not host_ends(ends)

@@ -1,4 +1,4 @@
-"""The weight-gradient GEMMs tuned once per shape (``compile.tune_kernels``;
+"""The weight-gradient GEMMs tuned once per shape (``compile.tune_gemms``;
 ``dtrain.kernels.cublaslt_binding``): which layers ask for it, and (on a GPU) that the tuned
 GEMM adds its product exactly once, the timing leaving the gradient as it was.
 
@@ -31,12 +31,12 @@ def _hook(trainer: Trainer, kind: type):
     return next(h for h in trainer.hooks.hooks if isinstance(h, kind))
 
 
-@pytest.mark.parametrize(("tune_kernels", "deterministic", "tuned"),
+@pytest.mark.parametrize(("tune_gemms", "deterministic", "tuned"),
                          [(True, False, True), (True, True, False), (False, False, False)])
-def test_the_dense_weight_gradients_are_tuned_with_tune_kernels_unless_deterministic(
-        tmp_path, monkeypatch, tune_kernels, deterministic, tuned):
+def test_the_dense_weight_gradients_are_tuned_with_tune_gemms_unless_deterministic(
+        tmp_path, monkeypatch, tune_gemms, deterministic, tuned):
     trainer = Trainer(load_config("debug", {
-        **RUN, "training.mixed_precision": "bf16", "compile.tune_kernels": tune_kernels,
+        **RUN, "training.mixed_precision": "bf16", "compile.tune_gemms": tune_gemms,
         "training.deterministic": deterministic, "job.output_dir": str(tmp_path)}))
     hook = _hook(trainer, StepLinearWeights)
     asked = []
@@ -54,7 +54,7 @@ def test_the_dense_weight_gradients_are_tuned_with_tune_kernels_unless_determini
 
 def test_the_fp8_step_weights_carry_the_tuning_to_their_gemms(tmp_path):
     trainer = Trainer(load_config("debug", {
-        **RUN, "fp8.enabled": True, "fp8.emulate": True, "compile.tune_kernels": True,
+        **RUN, "fp8.enabled": True, "fp8.emulate": True, "compile.tune_gemms": True,
         "job.output_dir": str(tmp_path)}))
     hook = _hook(trainer, StepWeightCast)
     assert hook.tune and hook.accumulate

@@ -264,12 +264,14 @@ class CompileConfig:
     enabled: bool = False
     """torch.compile each transformer block and the loss."""
     tune_kernels: bool = False
-    """Tune the kernels on the GPU at their first use: Inductor's coordinate-descent tuning
-    (each generated norm, activation and cast kernel has its block sizes searched at its first
-    compile: a longer first compile, then cached), and the dense weights' GEMMs that add into
-    fp32 .grad (bf16 and FP8, weights cast once per step) take the fastest of cuBLASLt's
-    algorithms for their shapes, timed once per shape at the first step, with or without
-    compile.enabled. Not with training.deterministic (the choice may differ between runs)."""
+    """Inductor's coordinate-descent tuning: each generated norm, activation and cast kernel
+    has its block sizes searched on the GPU at its first compile (a longer first compile, then
+    cached)."""
+    tune_gemms: bool = False
+    """The dense weights' GEMMs that add into fp32 .grad (bf16 and FP8, weights cast once per
+    step) take the fastest of cuBLASLt's algorithms for their shapes, timed once per shape at
+    the first step (with or without compile.enabled); not with training.deterministic (the
+    choice may differ between runs). Off by default: not measured in training yet."""
 
 
 @dataclass

@@ -11,8 +11,8 @@ shapes (``dtrain.kernels.cublaslt_binding``). The FP8 GEMM of the same kind is
 ``accumulate_grouped_matmul`` does the same for the MoE experts' stacked weight gradients,
 ``total[e] += a[:, rows of e] @ b[rows of e]``: on a GPU, for experts whose weight is large
 (``LOOPED_VALUES``), one accumulating GEMM per expert, with the groups' ends read on the host
-(one sync of a few bytes); elsewhere one grouped GEMM (``torch._grouped_mm``, bf16 out), then an
-add.
+(one sync of a few bytes per MoE layer and micro-batch, shared by its three weights:
+``host_ends``); elsewhere one grouped GEMM (``torch._grouped_mm``, bf16 out), then an add.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import functools
 import itertools
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from dtrain.kernels.cublaslt_binding import FAILURES, matmul_into, takes
 from dtrain.log import logger
@@ -97,9 +98,25 @@ def warn_untuned(reason: str) -> None:
                    "with cuBLAS's own choice of algorithm", reason)
 
 
+# Each groups' ends read on the host, by tensor (weakly: an entry goes with its tensor), with the
+# tensor's version when read: the three weights of an MoE layer share one ends tensor, and so
+# one read (one wait for the device) instead of three.
+_host_ends = WeakIdKeyDictionary()
+
+
+def host_ends(ends: torch.Tensor) -> list[int]:
+    """``ends`` as a list, read from the device once per tensor (again after an in-place
+    change)."""
+    seen = _host_ends.get(ends)
+    if seen is None or seen[0] != ends._version:
+        seen = _host_ends[ends] = (ends._version, ends.tolist())
+    return seen[1]
+
+
 def groups(ends: torch.Tensor) -> list[tuple[int, slice]]:
-    """Each non-empty group of rows ending at ``ends`` (read on the host) and its rows."""
-    bounds = [0, *ends.tolist()]
+    """Each non-empty group of rows ending at ``ends`` (read on the host: ``host_ends``) and
+    its rows."""
+    bounds = [0, *host_ends(ends)]
     return [(e, slice(start, end)) for e, (start, end) in enumerate(itertools.pairwise(bounds))
             if end > start]
 

@@ -66,7 +66,7 @@ class StepPlan:
     ``model.moe_cast_weights_once_per_step`` and torchao's ``fp8.cast_weights_once_per_step``;
     ``tune``: the dense layers' GEMMs that add into ``.grad`` (shapes that repeat every
     micro-batch) run cuBLASLt's fastest algorithm for their shapes, timed at their first call
-    (``compile.tune_kernels``, not with ``training.deterministic``)."""
+    (``compile.tune_gemms``, not with ``training.deterministic``)."""
 
     compute_dtype: torch.dtype
     micro_batches: int
