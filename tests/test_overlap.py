@@ -123,6 +123,22 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     reason="needs a GPU with FP8 (the side stream); its output is in docs/benchmarks.md"))]
 
 
+def train_counting_casts(trainer, hook_type, overlap: bool):
+    """Trains ``trainer``, whose step hook of ``hook_type`` casts per unit exactly when the
+    overlapped step is on (``overlap``): the losses and gradient norms, the weights after, and
+    the number of layers each per-unit cast took."""
+    hook = next(h for h in trainer.hooks.hooks if isinstance(h, hook_type))
+    assert (trainer.overlapped_step is not None) is overlap
+    assert (hook.per_unit is not None) is overlap
+    casts = []
+    if overlap:
+        cast = hook.per_unit.cast
+        hook.per_unit.cast = lambda members, cast=cast: casts.append(len(members)) or cast(members)
+    history = trainer.train()
+    return ([(r["loss"], r["grad_norm"]) for r in history],
+            [p.detach().float().cpu() for p in trainer.model.parameters()], casts)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 def test_block_by_block_step_with_casts_per_block_trains_exactly_as_the_whole_step(
@@ -149,18 +165,10 @@ def test_block_by_block_step_with_casts_per_block_trains_exactly_as_the_whole_st
             **BLOCKS, **layout, "training.device": device,
             "optimizer.overlap_step": bool(overlap),
             "job.output_dir": str(tmp_path / str(overlap))}))
-        hook = next(h for h in trainer.hooks.hooks if isinstance(h, hook_type))
-        assert (trainer.overlapped_step is not None) is bool(overlap)
-        assert (hook.per_unit is not None) is bool(overlap)
-        casts = []
         if overlap:
             assert len(trainer.overlapped_step.units) == 5  # embedding, 2 blocks, norm, output
-            cast = hook.per_unit.cast
-            hook.per_unit.cast = lambda members, cast=cast, casts=casts: \
-                casts.append(len(members)) or cast(members)
-        history = trainer.train()
-        runs[overlap] = ([(r["loss"], r["grad_norm"]) for r in history],
-                         [p.detach().float().cpu() for p in trainer.model.parameters()])
+        figures, weights, casts = train_counting_casts(trainer, hook_type, bool(overlap))
+        runs[overlap] = figures, weights
         if overlap:  # each block's 7 linears once a step (bf16: the output layer too)
             assert casts == ([7, 7, 1] if precision == "bf16" else [7, 7]) * 3
 
@@ -195,17 +203,8 @@ def test_block_by_block_step_of_an_moe_model_trains_exactly_as_the_whole_step(
         trainer = Trainer(load_config("debug", {
             **MIXTRAL_CPU, **layout, "training.steps": 3, "optimizer.overlap_step": overlap,
             "job.output_dir": str(tmp_path / str(overlap))}))
-        hook = next(h for h in trainer.hooks.hooks if isinstance(h, StepExpertWeights))
-        assert (trainer.overlapped_step is not None) is overlap
-        assert (hook.per_unit is not None) is overlap
-        casts = []
-        if overlap:
-            cast = hook.per_unit.cast
-            hook.per_unit.cast = lambda members, cast=cast, casts=casts: \
-                casts.append(len(members)) or cast(members)
-        history = trainer.train()
-        runs[overlap] = ([(r["loss"], r["grad_norm"]) for r in history],
-                         [p.detach().float().cpu() for p in trainer.model.parameters()])
+        figures, weights, casts = train_counting_casts(trainer, StepExpertWeights, overlap)
+        runs[overlap] = figures, weights
         if overlap:  # each block's experts once a step, when the block first runs
             assert casts == [1, 1] * 3
     assert runs[True][0] == runs[False][0]
