@@ -57,3 +57,44 @@ def test_trace_without_gpu_kernels_is_refused(tmp_path):
                                              "ts": 0, "dur": 5}])
     with pytest.raises(SystemExit, match="no GPU kernels"):
         trace_summary.summarize(path)
+
+
+def host(cat, name, ts, dur, tid=1, **args):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid, "args": args}
+
+
+def launched(name, ts, dur, correlation):
+    event = kernel(name, ts, dur)
+    event["args"]["correlation"] = correlation
+    return event
+
+
+def test_idle_is_charged_to_the_host_ops_that_launched_the_next_kernel(tmp_path):
+    events = [
+        # A host sync from 90 to 400 us: the device runs dry at 100 and waits until 400.
+        host("cpu_op", "aten::tolist", 80, 315),
+        host("cuda_runtime", "cudaStreamSynchronize", 90, 304),
+        host("cpu_op", "dtrain::accumulate_grouped_matmul", 395, 20),
+        host("cpu_op", "aten::addmm", 396, 10),
+        host("cuda_runtime", "cudaLaunchKernel", 398, 5, correlation=2),
+        # A slow host op without a sync: 60 us idle, launched from another op.
+        host("cpu_op", "aten::topk", 470, 90),
+        host("cuda_runtime", "cudaLaunchKernel", 555, 4, correlation=3),
+        # A short gap (20 us) is the launch queue's, not charged.
+        host("cuda_runtime", "cudaLaunchKernel", 590, 4, correlation=4),
+        launched("nvjet_gemm_a", 0, 100, 1),
+        launched("nvjet_gemm_b", 400, 100, 2),
+        launched("triton_poi_fused_topk", 560, 20, 3),
+        launched("triton_poi_fused_after", 600, 50, 4),
+        kernel("ncclDevKernel_AllGather", 100, 300),      # communication does not fill the gap
+    ]
+    s = trace_summary.summarize(write(tmp_path / "t.json.gz", events))
+    sources = s["gap_sources"]
+    assert set(sources) == {"aten::addmm < dtrain::accumulate_grouped_matmul", "aten::topk"}
+    assert sources["aten::addmm < dtrain::accumulate_grouped_matmul"] == pytest.approx(
+        (1, 0.3, 1))
+    assert sources["aten::topk"] == pytest.approx((1, 0.06, 0))
+    text = trace_summary.report([s], ["run"], top=2, sources=5)
+    lines = text.split("idle over 50 us")[1].splitlines()
+    assert "0.30 ms" in lines[1] and "sync x1" in lines[1] and "accumulate_grouped" in lines[1]
+    assert "0.06 ms" in lines[2] and "sync x0" in lines[2] and "aten::topk" in lines[2]

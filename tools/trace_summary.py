@@ -8,6 +8,11 @@ time some compute kernel ran (the union of non-NCCL kernels), the compute-idle t
 largest gaps, NCCL time by collective, kernel time by category (matmul, attention, fused Triton,
 FSDP copies, optimizer, other) and the top kernels. Several traces are set side by side. Works on
 the traces ``tools/bench.py --profile`` writes and on torchtitan's.
+
+``--gaps N`` says where the idle time comes from: each compute gap over 50 us is charged to the host
+ops that launched the kernel ending it (the three innermost around its launch), and counted as
+"after a host sync" when the host sat in a synchronising CUDA call as the device ran dry; the N
+largest such sources are listed.
 """
 
 from __future__ import annotations
@@ -37,12 +42,16 @@ def category(name: str) -> str:
     return "other"
 
 
-def load_kernels(path: Path) -> tuple[list[dict], int]:
-    """GPU kernel and memcpy/memset events of the lowest-numbered device, and the number of
-    ``ProfilerStep`` annotations (0 when the trace has none)."""
+def load_events(path: Path) -> list[dict]:
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt") as f:
-        events = json.load(f)["traceEvents"]
+        return json.load(f)["traceEvents"]
+
+
+def load_kernels(path: Path, events: list[dict] | None = None) -> tuple[list[dict], int]:
+    """GPU kernel and memcpy/memset events of the lowest-numbered device, and the number of
+    ``ProfilerStep`` annotations (0 when the trace has none)."""
+    events = load_events(path) if events is None else events
     kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy",
                                                                           "gpu_memset")]
     devices = {e.get("args", {}).get("device", 0) for e in kernels}
@@ -68,8 +77,43 @@ def union_length(intervals: list[tuple[float, float]]) -> tuple[float, list[tupl
     return covered, gaps
 
 
+GAP_US = 50  # a gap shorter than a few launches is the launch queue's, not the host's
+
+
+def gap_sources(events: list[dict], kernels: list[dict], gaps: list[tuple[float, float]]
+                ) -> dict[str, list[float]]:
+    """Each compute gap over ``GAP_US``, charged to the host ops that launched the kernel ending
+    it: ``{ops: [gaps, idle us, gaps after a host sync]}``."""
+    host = [e for e in events if e.get("ph") == "X"
+            and e.get("cat") in ("cpu_op", "user_annotation")
+            and not str(e.get("name", "")).startswith("ProfilerStep#")]
+    runtime = [e for e in events if e.get("ph") == "X"
+               and e.get("cat") in ("cuda_runtime", "cuda_driver")]
+    launches = {e["args"]["correlation"]: e for e in runtime if "correlation" in e.get("args", {})}
+    syncs = [e for e in runtime if "Synchronize" in e["name"]]
+    starts = {e["ts"]: e for e in kernels if category(e["name"]) != "nccl"}
+    sources: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0])
+    for a, b in gaps:
+        if b - a <= GAP_US:
+            continue
+        launch = launches.get(starts[b].get("args", {}).get("correlation")) if b in starts else None
+        if launch is None:
+            ops = "(launch not in the trace)"
+        else:
+            around = sorted((e for e in host if e.get("tid") == launch.get("tid")
+                             and e["ts"] <= launch["ts"] <= e["ts"] + e["dur"]),
+                            key=lambda e: (e["ts"], -e["dur"]))
+            ops = " < ".join(e["name"][:60] for e in reversed(around[-3:])) or "(no host op)"
+        entry = sources[ops]
+        entry[0] += 1
+        entry[1] += b - a
+        entry[2] += any(e["ts"] <= a <= e["ts"] + e["dur"] for e in syncs)
+    return sources
+
+
 def summarize(path: Path, steps: int | None = None) -> dict:
-    kernels, traced_steps = load_kernels(path)
+    events = load_events(path)
+    kernels, traced_steps = load_kernels(path, events)
     steps = steps or traced_steps or 1
     if not kernels:
         raise SystemExit(f"{path}: no GPU kernels in the trace (was CUDA activity recorded?)")
@@ -96,14 +140,16 @@ def summarize(path: Path, steps: int | None = None) -> dict:
         "compute_busy_ms": busy / ms,
         "compute_idle_ms": (stop - start - busy) / ms,
         "largest_gaps_ms": sorted(((b - a) / 1e3 for a, b in gaps), reverse=True)[:5],
-        "gaps_over_50us": sum(1 for a, b in gaps if b - a > 50) / steps,
+        "gaps_over_50us": sum(1 for a, b in gaps if b - a > GAP_US) / steps,
+        "gap_sources": {ops: (n / steps, t / ms, synced / steps)
+                        for ops, (n, t, synced) in gap_sources(events, kernels, gaps).items()},
         "categories_ms": {k: v / ms for k, v in sorted(by_category.items(), key=lambda kv: -kv[1])},
         "nccl_ms": {k: v / ms for k, v in nccl.items()},
         "kernels": {k: (n / steps, t / ms) for k, (n, t) in by_kernel.items()},
     }
 
 
-def report(summaries: list[dict], labels: list[str], top: int) -> str:
+def report(summaries: list[dict], labels: list[str], top: int, sources: int = 0) -> str:
     rows = [("traced span / step (ms)", "span_ms"), ("compute busy (ms)", "compute_busy_ms"),
             ("compute idle (ms)", "compute_idle_ms"), ("gaps > 50 us / step", "gaps_over_50us")]
     width = max(12, *(len(label) for label in labels))
@@ -122,6 +168,13 @@ def report(summaries: list[dict], labels: list[str], top: int) -> str:
     for label, s in zip(labels, summaries, strict=True):
         gaps = ", ".join(f"{g:.2f}" for g in s["largest_gaps_ms"])
         lines.append(f"largest compute gaps, {label} (ms): {gaps}")
+    for label, s in zip(labels, summaries, strict=True):
+        if not sources:
+            break
+        lines.append(f"\nidle over {GAP_US} us by the host ops that launched the next kernel, "
+                     f"{label} (per step: ms, gaps, after a host sync):")
+        ranked = sorted(s["gap_sources"].items(), key=lambda kv: -kv[1][1])[:sources]
+        lines += [f"  {t:8.2f} ms  x{n:<5.0f} sync x{m:<5.0f} {ops}" for ops, (n, t, m) in ranked]
     # Kernel names differ between two compiled programs (Triton names carry their fusion), so
     # the comparison is by category above; below, each trace's own top kernels.
     for label, s in zip(labels, summaries, strict=True):
@@ -138,13 +191,15 @@ def main() -> None:
                         help="training steps in each trace (default: its ProfilerStep count, or 1)")
     parser.add_argument("--labels", nargs="*", default=[])
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--gaps", type=int, default=0,
+                        help="list the N host sources of the largest compute idle time")
     args = parser.parse_args()
     if len(args.steps) > len(args.traces) or len(args.labels) > len(args.traces):
         parser.error("give at most one --steps value and one --labels name per trace")
     steps = args.steps + [None] * (len(args.traces) - len(args.steps))
     labels = args.labels + [p.stem for p in args.traces[len(args.labels):]]
     summaries = [summarize(path, n) for path, n in zip(args.traces, steps, strict=True)]
-    print(report(summaries, labels, args.top))
+    print(report(summaries, labels, args.top, args.gaps))
 
 
 if __name__ == "__main__":
