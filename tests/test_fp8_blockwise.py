@@ -15,6 +15,7 @@ from torch import nn
 from dtrain import Trainer, load_config
 from dtrain.config import ConfigError, FP8Config
 from dtrain.kernels.blockwise_mm import dequantize, quantize_blocks, quantize_tiles
+from dtrain.log import setup_logging
 from dtrain.models import build
 from dtrain.models.moe import GroupedExperts
 from dtrain.parallel import fp8 as fp8_module
@@ -382,7 +383,7 @@ def test_under_fsdp_the_weights_are_gathered_in_high_precision():
     assert not fp8_all_gather(blockwise(), fsdp=True)
 
 
-def test_the_experts_take_the_recipe_emulated_or_stay_in_bf16_and_are_named():
+def test_the_experts_take_the_recipe_or_stay_in_bf16_and_are_named(monkeypatch):
     model = build("mixtral_debug", device="meta", n_layers=2)  # experts 256 x 256: whole blocks
     cfg = blockwise()
     layers = convert_to_fp8(model, cfg, fsdp=False)
@@ -396,6 +397,14 @@ def test_the_experts_take_the_recipe_emulated_or_stay_in_bf16_and_are_named():
     assert describe_fp8(cfg, layers, all_gather=False).startswith(
         "fp8: torchao blockwise (e4m3, 1x128 activation and gradient tiles, 128x128 weight "
         "blocks, emulated) | 8 linear layers in FP8, the experts of 2 MoE layers (blockwise) |")
+    # Not emulated (a GPU, as far as the conversion can tell) where the kernels pass their
+    # check: the Triton grouped GEMMs
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(blockwise_module, "gpu_kernels_failure", lambda device: None)
+    model = build("mixtral_debug", device="meta", n_layers=2)
+    convert_to_fp8(model, blockwise(emulate=False, blockwise_gemm="cublaslt"), fsdp=False)
+    assert [m.fp8 for m in model.modules() if isinstance(m, GroupedExperts)] == ["blockwise"] * 2
+    monkeypatch.undo()
     # fp8.experts = false keeps them, as do widths that are not whole blocks (192 here)
     for model, cfg in ((build("mixtral_debug", device="meta", n_layers=2),
                         blockwise(experts=False)),
@@ -405,8 +414,25 @@ def test_the_experts_take_the_recipe_emulated_or_stay_in_bf16_and_are_named():
         assert layers[2] == [] and all(m.fp8 is None for m in model.modules()
                                        if isinstance(m, GroupedExperts))
         assert describe_fp8(cfg, layers, all_gather=False).endswith(
-            "layers.*.feed_forward.experts x2 (no blockwise grouped GEMMs on the GPU yet, or "
-            "widths not multiples of 128)")
+            "layers.*.feed_forward.experts x2 (widths not multiples of 128, fp8.experts off, or "
+            "the GPU kernels' check failed)")
+
+
+def test_experts_whose_gpu_kernels_fail_their_check_stay_in_bf16_and_a_warning_says_why(
+        monkeypatch, capsys):
+    # A "GPU" the kernels cannot run on (this machine has none: the check's products fail for
+    # real); the linears go to cuBLASLt's blockwise GEMMs, converted on the meta device.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    setup_logging(0)
+    model = build("mixtral_debug", device="meta", n_layers=2)
+    layers = convert_to_fp8(model, blockwise(emulate=False, blockwise_gemm="cublaslt"),
+                            fsdp=False)
+    assert layers[2] == [] and all(m.fp8 is None for m in model.modules()
+                                   if isinstance(m, GroupedExperts))
+    assert layers[1][-2:] == ["layers.0.feed_forward.experts", "layers.1.feed_forward.experts"]
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line.startswith("fp8: the experts stay in bf16: dtrain's blockwise grouped GEMMs "
+                           "failed their check on this GPU (") and "fp8.experts = false" in line
 
 
 # ---- (f) FSDP ------------------------------------------------------------------------------

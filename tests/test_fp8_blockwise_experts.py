@@ -1,7 +1,7 @@
-"""Blockwise FP8 for the MoE experts (``fp8.recipe = "blockwise"`` with ``fp8.experts``, emulated):
-the grouped GEMMs take DeepSeek-V3's tiles and blocks per expert, and equal each expert's rows
-put through the dense blockwise linear on their own; a Mixtral-like model trains with them as
-it does without FP8."""
+"""Blockwise FP8 for the MoE experts (``fp8.recipe = "blockwise"`` with ``fp8.experts``): the
+grouped GEMMs take DeepSeek-V3's tiles and blocks per expert, and equal each expert's rows put
+through the dense blockwise linear on their own, emulated and (on a Hopper GPU) in dtrain's
+Triton kernels; a Mixtral-like model trains with them as it does without FP8."""
 
 from __future__ import annotations
 
@@ -41,10 +41,18 @@ def per_expert(module: GroupedExperts, rows: torch.Tensor, counts: list[int]) ->
     return F.pad(torch.cat(outs), (0, 0, 0, rows.shape[0] - start))
 
 
+@pytest.mark.parametrize("mode", [
+    "blockwise_emulated",
+    pytest.param("blockwise", marks=pytest.mark.skipif(  # the Triton grouped GEMMs
+        not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+        reason="needs a Hopper GPU; its output is in docs/benchmarks.md"))])
 @pytest.mark.parametrize("counts", [[130, 0, 77, 256], [1, 128, 129, 3]])
-def test_the_grouped_gemms_equal_each_expert_on_its_own(counts):
+def test_the_grouped_gemms_equal_each_expert_on_its_own(counts, mode):
+    device = "cuda" if mode == "blockwise" else "cpu"
     module, rows, counts_t = experts_and_rows(counts)
-    module.fp8 = "blockwise_emulated"
+    module, rows = module.to(device), rows.detach().to(device).requires_grad_()
+    counts_t = counts_t.to(device)
+    module.fp8 = mode
     got = module(rows, counts_t)
     grad = torch.randn_like(got)
     got_grads = torch.autograd.grad(got, (rows, module.w1, module.w2, module.w3), grad)

@@ -3,12 +3,17 @@
     python tools/bench_moe.py                                   # Mixtral 8x7B expert shapes
     python tools/bench_moe.py --experts 4 --tokens 32768        # the 4 local experts under EP 2
     python tools/bench_moe.py --dim 6144 --hidden 16384         # Mixtral 8x22B
+    python tools/bench_moe.py --variants grouped fp8 blockwise  # FP8 grouped GEMMs (Hopper)
+
+Variants: ``grouped`` (bf16 ``torch._grouped_mm``), ``loop`` (one matmul per expert), ``fp8``
+(rowwise FP8 grouped GEMMs) and ``blockwise`` (DeepSeek-V3's tiles and blocks, dtrain's Triton
+grouped GEMMs); the FP8 ones cast the weights in each forward, as without the step's cast.
 
 Tokens (the routed copies a rank's experts receive, ``tokens`` = micro-batch tokens x top_k) are
 spread over the experts with a seeded random imbalance (``--skew``; 0 is uniform). Each variant
 is timed over ``--iters`` iterations after warm-up; prints ms per iteration, TFLOP/s (3 matmuls
-of 2 x tokens x dim x hidden FLOPs, three times that with the backward) and the speedup, as a
-JSON line.
+of 2 x tokens x dim x hidden FLOPs, three times that with the backward) and each variant's
+speedup over the first, as a JSON line.
 """
 
 from __future__ import annotations
@@ -33,6 +38,15 @@ def token_counts(tokens: int, experts: int, skew: float, seed: int) -> torch.Ten
     counts = (share / share.sum() * tokens).floor().long()
     counts[0] += tokens - counts.sum()
     return counts
+
+
+VARIANTS = {
+    "grouped": grouped_swiglu,
+    "loop": looped_swiglu,
+    "fp8": lambda x, counts, *weights: grouped_swiglu(x, counts, *weights, mode="fp8"),
+    "blockwise": lambda x, counts, *weights: grouped_swiglu(x, counts, *weights,
+                                                            mode="blockwise"),
+}
 
 
 def time_variant(fn, x, counts, weights, iters: int, device: torch.device) -> float:
@@ -64,6 +78,8 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--variants", nargs="+", default=["grouped", "loop"],
+                        choices=list(VARIANTS))
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
@@ -81,11 +97,11 @@ def main() -> None:
               "torch": torch.__version__, "dtype": args.dtype, "tokens": args.tokens,
               "experts": args.experts, "dim": args.dim, "hidden": args.hidden,
               "tokens_per_expert": counts.tolist(), "max_abs_diff": diff.max().item()}
-    for name, fn in (("grouped", grouped_swiglu), ("loop", looped_swiglu)):
-        seconds = time_variant(fn, x, counts, weights, args.iters, device)
+    for name in args.variants:
+        seconds = time_variant(VARIANTS[name], x, counts, weights, args.iters, device)
         result[f"{name}_ms"] = round(1e3 * seconds, 3)
         result[f"{name}_tflops"] = round(flops / seconds / 1e12, 1)
-    result["speedup"] = round(result["loop_ms"] / result["grouped_ms"], 2)
+        result[f"{name}_speedup"] = round(result[f"{args.variants[0]}_ms"] / (1e3 * seconds), 2)
     print("BENCH_MOE " + json.dumps(result), flush=True)
 
 

@@ -309,11 +309,10 @@ class FP8Config:
     inside the GEMM on the GPU, cuBLASLt with beta 1; te: ``is_first_microbatch``)."""
     experts: bool = True
     """torchao: the MoE experts' grouped GEMMs in FP8 too (the forward and input-gradient
-    products; rowwise scales whatever the recipe; each expert's tokens padded to a multiple of
-    16 rows on the device; blockwise: the recipe's tiles and blocks, emulated only, each
-    expert's rows padded to a multiple of 128). Transformer Engine, and blockwise on the GPU,
-    leave the experts in bf16 (no blockwise grouped GEMMs there yet), said on the start-up
-    line."""
+    products; rowwise scales, each expert's tokens padded to a multiple of 16 rows on the
+    device; blockwise: the recipe's tiles and blocks for all three products, each expert's rows
+    padded to a multiple of 128, dtrain's Triton grouped GEMMs on the GPU). Transformer Engine
+    leaves the experts in bf16, said on the start-up line."""
     experts_weight_gradient: Literal["bf16", "fp8"] = "bf16"
     """torchao's FP8 experts (not blockwise), their weights cast once per step (whole on the
     rank: no FSDP, TP nor EP): the weight gradients' products in bf16, or in FP8 (tensorwise,

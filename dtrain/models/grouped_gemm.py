@@ -22,12 +22,15 @@ as an operand cast from the parameter (``cast_weight``):
   whose size does not depend on the counts, so nothing is read on the host in the forward.
   ``fp8_emulated`` computes the same rounded values in fp32 (on the CPU: tests, and machines
   without FP8 units).
-- ``blockwise_emulated``: DeepSeek-V3's blockwise recipe (``dtrain.kernels.blockwise_mm``),
-  emulated: the rows in 1x128 tiles along the features, each expert's weight in 128x128 blocks
-  (and its transpose's, the same values, for the input gradient), and for the weight gradient
-  the output gradient and the rows in tiles of 128 rows along the tokens, which groups padded to
-  multiples of 128 rows keep within one expert. The dequantised operands are multiplied in
-  fp32; there are no blockwise grouped GEMMs on the GPU yet.
+- ``blockwise`` and ``blockwise_emulated``: DeepSeek-V3's blockwise recipe
+  (``dtrain.kernels.blockwise_mm``'s casts): the rows in 1x128 tiles along the features, each
+  expert's weight in 128x128 blocks (and its transpose's, the same values, for the input
+  gradient), and for the weight gradient the output gradient and the rows in tiles of 128 rows
+  along the tokens, which groups padded to multiples of 128 rows keep within one expert. The
+  products are ``dtrain.kernels.grouped_blockwise``'s: on the GPU Triton kernels that apply the
+  scales inside the sums and add the weight gradient into ``.grad`` inside the kernel;
+  ``blockwise_emulated`` multiplies the dequantised operands in fp32 (the CPU, and
+  ``fp8.emulate``).
 
 The operands come from ``GroupedExperts.weight_operands`` (``dtrain.models.moe``): cast in each
 forward, or by a variant once per optimizer step (``step_cast_weight``: every micro-batch's
@@ -45,8 +48,9 @@ from collections.abc import Sequence
 import torch
 
 from dtrain.kernels.accumulate import accumulate_grouped_matmul
-from dtrain.kernels.blockwise_mm import BLOCK, dequantize, quantize_blocks, quantize_tiles
+from dtrain.kernels.blockwise_mm import BLOCK, quantize_blocks, quantize_tiles
 from dtrain.kernels.cublaslt import accumulate_grouped_scaled_mm
+from dtrain.kernels.grouped_blockwise import accumulate_grouped_blockwise, grouped_blockwise_mm
 
 ALIGN = 16  # FP8 grouped GEMMs: rows per group a multiple of this
 E4M3 = torch.float8_e4m3fn
@@ -84,9 +88,12 @@ def fp8_weight_gradient(grad_into: torch.Tensor, grad: torch.Tensor, a: torch.Te
     accumulate_grouped_scaled_mm(grad_into, grad_bits, a_bits, grad_inverse, a_inverse, ends)
 
 
+BLOCKWISE = ("blockwise", "blockwise_emulated")
+
+
 def group_rows(mode: str) -> int:
     """The multiple of rows each expert's group is padded to in an FP8 ``mode``."""
-    return BLOCK if mode == "blockwise_emulated" else ALIGN
+    return BLOCK if mode in BLOCKWISE else ALIGN
 
 
 def cast_weight(weight: torch.Tensor, mode: str, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
@@ -97,7 +104,7 @@ def cast_weight(weight: torch.Tensor, mode: str, dtype: torch.dtype) -> tuple[to
     weight = weight.detach()
     if mode == "plain":
         return (weight.to(dtype),)
-    cast = quantize_blocks if mode == "blockwise_emulated" else rowwise_fp8
+    cast = quantize_blocks if mode in BLOCKWISE else rowwise_fp8
     return (*cast(weight), *cast(weight.transpose(-2, -1).contiguous()))
 
 
@@ -131,23 +138,30 @@ def fp8_product(a: torch.Tensor, bits: torch.Tensor, inverse_scale: torch.Tensor
 
 
 def blockwise_product(a: torch.Tensor, bits: torch.Tensor, scales: torch.Tensor,
-                      ends: torch.Tensor) -> torch.Tensor:
+                      ends: torch.Tensor, emulate: bool) -> torch.Tensor:
     """Each group of rows of ``a`` times the transposed weight ``bits [E, n, k]`` in 128x128
-    blocks (``scales [E, n / 128, k / 128]``), ``a`` cast in 1x128 tiles; emulated in fp32,
-    ``a``'s dtype out."""
-    weight = dequantize(bits, scales).transpose(-2, -1)
-    return torch._grouped_mm(dequantize(*quantize_tiles(a)), weight, offs=ends).to(a.dtype)
+    blocks (``scales [E, n / 128, k / 128]``), ``a`` cast in 1x128 tiles; ``a``'s dtype out."""
+    return grouped_blockwise_mm(*quantize_tiles(a), bits, scales, ends, a.dtype, emulate)
+
+
+def add_blockwise_weight_product(total: torch.Tensor, grad: torch.Tensor, a: torch.Tensor,
+                                 ends: torch.Tensor, emulate: bool) -> None:
+    """``total[e] += grad[rows of e]^T a[rows of e]`` (fp32 ``total [E, out, in]``), both cast
+    in tiles of 128 rows along the tokens (groups start at multiples of 128: no tile spans two
+    experts)."""
+    grad_t, a_t = (quantize_tiles(t.t().contiguous()) for t in (grad, a))
+    accumulate_grouped_blockwise(total, *grad_t, *a_t, ends, emulate)
 
 
 def weight_product(grad: torch.Tensor, a: torch.Tensor, ends: torch.Tensor,
                    mode: str) -> torch.Tensor:
-    """The stacked weight gradient ``[E, out, in]``: each group's ``grad^T a``; blockwise, both
-    cast in tiles of 128 rows along the tokens (groups start at multiples of 128: no tile spans
-    two experts), emulated in fp32."""
-    if mode != "blockwise_emulated":
+    """The stacked weight gradient ``[E, out, in]``: each group's ``grad^T a``; blockwise in
+    fp32 (``add_blockwise_weight_product``)."""
+    if mode not in BLOCKWISE:
         return torch._grouped_mm(grad.t(), a, offs=ends)
-    grad_t, a_t = (dequantize(*quantize_tiles(t.t().contiguous())) for t in (grad, a))
-    return torch._grouped_mm(grad_t, a_t.t(), offs=ends)
+    total = a.new_zeros(ends.numel(), grad.shape[1], a.shape[1], dtype=torch.float32)
+    add_blockwise_weight_product(total, grad, a, ends, mode == "blockwise_emulated")
+    return total
 
 
 def _product(a: torch.Tensor, operands: Sequence[torch.Tensor], ends: torch.Tensor,
@@ -156,8 +170,8 @@ def _product(a: torch.Tensor, operands: Sequence[torch.Tensor], ends: torch.Tens
     transpose's for the input gradient)."""
     if mode == "plain":
         return torch._grouped_mm(a, operands[0].transpose(-2, -1), offs=ends)
-    if mode == "blockwise_emulated":
-        return blockwise_product(a, operands[0], operands[1], ends)
+    if mode in BLOCKWISE:
+        return blockwise_product(a, operands[0], operands[1], ends, mode == "blockwise_emulated")
     return fp8_product(a, operands[0], operands[1], ends, mode == "fp8_emulated")
 
 
@@ -189,11 +203,12 @@ class GroupedLinear(torch.autograd.Function):
         grad_weight = None
         if ctx.accumulate and ctx.fp8_grad:
             fp8_weight_gradient(grad_into, grad, a, ends)
-        elif ctx.accumulate and ctx.mode != "blockwise_emulated":
+        elif ctx.accumulate and ctx.mode in BLOCKWISE:  # on a GPU inside the kernel
+            add_blockwise_weight_product(grad_into, grad, a, ends,
+                                         ctx.mode == "blockwise_emulated")
+        elif ctx.accumulate:
             # into the weight's gradient, in place: on a GPU inside each expert's GEMM
             accumulate_grouped_matmul(grad_into, grad.t(), a, ends)
-        elif ctx.accumulate:
-            grad_into.add_(weight_product(grad, a, ends, ctx.mode))  # [E, out, in]
         elif ctx.needs_input_grad[1]:  # else a frozen weight: no product
             grad_weight = weight_product(grad, a, ends, ctx.mode).to(ctx.weight_dtype)
         return grad_a, grad_weight, None, None, None, None, *([None] * len(operands))

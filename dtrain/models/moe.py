@@ -71,12 +71,12 @@ def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: 
     """SwiGLU of each expert on its rows of ``x`` (rows sorted by expert, ``counts[e]`` rows for
     expert e) with grouped GEMMs (``grouped_gemm.GroupedLinear``): no host sync. ``mode``:
     ``plain`` (``x``'s dtype; rows past ``counts.sum()`` unspecified in the output), or ``fp8`` /
-    ``fp8_emulated`` / ``blockwise_emulated`` on groups padded to multiples of 16 (128 for
-    blockwise) rows on the device (``grouped_gemm.pad_groups``; rows past ``counts.sum()``
-    zero). ``operands``: each weight's
-    cast operands and the gradient its backward adds into (``GroupedExperts.weight_operands``),
-    else each weight cast here; ``fp8_grad``: FP8 modes add the weight gradients into those in
-    FP8 (``grouped_gemm.fp8_weight_gradient``)."""
+    ``fp8_emulated`` / ``blockwise`` / ``blockwise_emulated`` on groups padded to multiples of
+    16 (128 for blockwise) rows on the device (``grouped_gemm.pad_groups``; rows past
+    ``counts.sum()`` zero). ``operands``: each weight's cast operands and the gradient its
+    backward adds into (``GroupedExperts.weight_operands``), else each weight cast here;
+    ``fp8_grad``: FP8 modes add the weight gradients into those in FP8
+    (``grouped_gemm.fp8_weight_gradient``)."""
     if mode == "plain":
         rows, ends = x, torch.cumsum(counts, 0, dtype=torch.int32)
     else:
@@ -109,7 +109,7 @@ class GroupedExperts(nn.Module):
     def __init__(self, dim: int, hidden: int, n_experts: int, gemm: str = "auto"):
         super().__init__()
         self.gemm = gemm  # auto (grouped where fast), grouped, loop
-        # "fp8", "fp8_emulated" or "blockwise_emulated" for FP8 grouped GEMMs (set by
+        # "fp8", "fp8_emulated", "blockwise" or "blockwise_emulated" for FP8 grouped GEMMs (set by
         # dtrain.parallel.fp8)
         self.fp8: str | None = None
         # fp8.experts_weight_gradient: FP8 weight gradients where added into .grad in place

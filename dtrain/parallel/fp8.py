@@ -15,8 +15,8 @@ of the model runs under ``te.fp8_autocast`` with the delayed or current scaling 
 ``blockwise`` (``dtrain.parallel.fp8_blockwise``, under the torchao backend's settings) is
 DeepSeek-V3's recipe: activations and gradients in 1x128 tiles, weights in 128x128 blocks,
 each with its own scale, e4m3 throughout; it takes linears of whole blocks only, runs without
-TP and FP8 all-gather, and takes the experts only emulated (no blockwise grouped GEMMs on the
-GPU yet).
+TP and FP8 all-gather, and takes the experts of whole blocks too (dtrain's blockwise grouped
+GEMMs, ``dtrain.kernels.grouped_blockwise``).
 
 With torchao, the MoE experts' grouped GEMMs run in FP8 as well (``fp8.experts``: rowwise
 scales, ``dtrain.models.grouped_gemm``); Transformer Engine leaves them in bf16. DeepSeek-V3's
@@ -160,8 +160,8 @@ def convert_to_fp8(model: nn.Module, cfg: FP8Config,
     matmuls in high precision, for machines without FP8 units. Returns the names of the
     converted linear layers, of the layers kept as they were (linears, and with ``fp8.experts``
     the MoE experts modules whose widths FP8 cannot take) and of the experts modules whose
-    grouped GEMMs run in FP8. The blockwise recipe converts linears of whole 128x128 blocks,
-    and experts modules only where emulated (``fp8_blockwise.convert_to_blockwise``)."""
+    grouped GEMMs run in FP8. The blockwise recipe converts linears and experts modules of
+    whole 128x128 blocks (``fp8_blockwise.convert_to_blockwise``)."""
     convert = fp8_filter(model, cfg.filter_fqns)
     if cfg.recipe == "blockwise":
         convert = blockwise_filter(convert)
@@ -383,8 +383,9 @@ def kept_summary(kept: Sequence[str], filter_fqns: Sequence[str], blockwise: boo
         elif name.endswith("router.gate"):
             why = "MoE router"
         elif name.endswith("experts"):
-            why = ("no blockwise grouped GEMMs on the GPU yet, or widths not multiples of 128"
-                   if blockwise else "widths not multiples of 16")
+            why = ("widths not multiples of 128, fp8.experts off, or the GPU kernels' check "
+                   "failed" if blockwise
+                   else "widths not multiples of 16")
         elif blockwise:
             why = "widths not multiples of 128, a bias, or a shared weight"
         else:

@@ -30,9 +30,10 @@ high-precision speed.
 A linear converts when ``fp8_filter`` lets it and both its widths are multiples of 128 (whole
 blocks) and it has no bias; the rest stay in bf16 and the start-up line names them. Tensor
 parallel is refused (``check_blockwise``). Under FSDP the weights are gathered in high
-precision, then cast in blocks (FP8 all-gather is tensorwise's). The MoE experts take the
-recipe emulated (``fp8.emulate``, or the CPU); on the GPU there are no blockwise grouped GEMMs
-yet and they stay in bf16 (``convert_to_blockwise``).
+precision, then cast in blocks (FP8 all-gather is tensorwise's). The MoE experts of whole
+blocks take the recipe too (``convert_to_blockwise``): on the GPU through dtrain's Triton
+grouped GEMMs (``dtrain.kernels.grouped_blockwise``), emulated with ``fp8.emulate`` or on the
+CPU.
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ from dtrain.kernels.blockwise_mm import (
     quantize_blocks,
     quantize_tiles,
 )
+from dtrain.kernels.grouped_blockwise import gpu_kernels_failure
+from dtrain.log import logger
 from dtrain.models.moe import GroupedExperts
 
 GEMMS = {"triton": "torchao's Triton GEMMs", "cublaslt": "cuBLASLt's GEMMs"}
@@ -177,20 +180,28 @@ def convert_to_blockwise(model: nn.Module, cfg: FP8Config, fsdp: bool,
     emulated ``BlockwiseLinear``; on a ``meta`` model nothing is allocated. Under FSDP
     (``fsdp``) the weights are gathered in high precision and cast in blocks after the gather
     (``fp8.fsdp_float8_all_gather`` is tensorwise's, as for rowwise). The MoE experts whose
-    widths are multiples of 128 take the recipe where it is emulated and ``fp8.experts`` is on
-    (``blockwise_emulated`` grouped GEMMs, ``dtrain.models.grouped_gemm``); on the GPU there
-    are no blockwise grouped GEMMs yet and they stay in bf16. Returns the names of the experts
-    modules kept in bf16 and of those in FP8, for the start-up line."""
+    widths are multiples of 128 take the recipe where ``fp8.experts`` is on (``blockwise``
+    grouped GEMMs, ``dtrain.models.grouped_gemm``, or ``blockwise_emulated`` where the recipe
+    is), unless the GPU kernels fail their check on this GPU (``gpu_kernels_failure``: then
+    they stay in bf16, and a warning says why). Returns the names of the experts modules kept
+    in bf16 and of those in FP8, for the start-up line."""
     emulate = emulated(cfg)
     kept, fp8 = [], []
-    for name, module in model.named_modules():
-        if isinstance(module, GroupedExperts):
-            whole = not any(size % BLOCK for size in module.w1.shape[1:])
-            if emulate and cfg.experts and whole:
-                module.fp8 = "blockwise_emulated"
-                fp8.append(name)
-            else:
-                kept.append(name)
+    experts = [(name, m) for name, m in model.named_modules() if isinstance(m, GroupedExperts)]
+    failure = None
+    if experts and cfg.experts and not emulate:
+        failure = gpu_kernels_failure(torch.device("cuda"))
+        if failure:
+            logger.warning(f"fp8: the experts stay in bf16: dtrain's blockwise grouped GEMMs "
+                           f"failed their check on this GPU ({failure}); set fp8.experts = false "
+                           f"to keep them in bf16 without the check")
+    for name, module in experts:
+        whole = not any(size % BLOCK for size in module.w1.shape[1:])
+        if cfg.experts and whole and not failure:
+            module.fp8 = "blockwise_emulated" if emulate else "blockwise"
+            fp8.append(name)
+        else:
+            kept.append(name)
     if not emulate and cfg.blockwise_gemm == "triton":
         from torchao.prototype.blockwise_fp8_training.linear import (
             Float8BlockwiseLinearConfig,
