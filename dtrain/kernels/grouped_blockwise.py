@@ -7,9 +7,10 @@ multiples of 128 (``dtrain.models.grouped_gemm.pad_groups``): a 1x128 tile of th
 128-row tile of the product and a 128-token tile of the weight gradient's sum each lie in one
 expert. On a GPU both are Triton kernels (``dtrain.kernels.gpu_blockwise``) that read the ends
 on the device and apply the scales to each 128-wide slice of the sum; elsewhere, or with
-``emulate``, the operands are dequantised and multiplied in fp32 by ``torch._grouped_mm`` (the
-same products, summed in another order). ``gpu_kernels_failure(device)`` says why the Triton
-kernels do not run on a GPU (None where they do), checked once against the emulated products.
+``emulate``, the operands are dequantised and multiplied in fp32, one matmul per expert after
+the ends are read on the host (the same products, summed in another order).
+``gpu_kernels_failure(device)`` says why the Triton kernels do not run on a GPU (None where
+they do), checked once against the emulated products.
 """
 
 from __future__ import annotations
@@ -18,16 +19,32 @@ import functools
 
 import torch
 
+from dtrain.kernels.accumulate import groups
 from dtrain.kernels.blockwise_mm import dequantize, quantize_blocks, quantize_tiles
 
 TOLERANCE = 1e-3  # of the largest value: the GPU kernels against the emulated products
 
 
-def _emulated(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
-              ends: torch.Tensor) -> torch.Tensor:
-    with torch.autocast(a.device.type, enabled=False):
-        return torch._grouped_mm(dequantize(a, a_scales), dequantize(b, b_scales).transpose(-2, -1),
-                                 offs=ends)
+def _emulated_product(a: torch.Tensor, a_scales: torch.Tensor, w: torch.Tensor,
+                      w_scales: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """``grouped_blockwise_mm`` in fp32, one product per expert after one host read of the
+    ends (as ``torch._grouped_mm`` computes fp32 on a GPU; its meta function, which compiled
+    graphs trace, refuses fp32); zero past the groups."""
+    a, w = dequantize(a, a_scales), dequantize(w, w_scales)
+    out = a.new_zeros(a.shape[0], w.shape[1])
+    for e, rows in groups(ends):
+        out[rows] = a[rows] @ w[e].t()
+    return out
+
+
+def _emulated_weight_gradient(g_t: torch.Tensor, g_scales: torch.Tensor, a_t: torch.Tensor,
+                              a_scales: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """What ``accumulate_grouped_blockwise`` adds, in fp32, one product per expert."""
+    g_t, a_t = dequantize(g_t, g_scales), dequantize(a_t, a_scales)
+    total = g_t.new_zeros(ends.numel(), g_t.shape[0], a_t.shape[0])
+    for e, rows in groups(ends):
+        total[e] = g_t[:, rows] @ a_t[:, rows].t()
+    return total
 
 
 @torch.library.custom_op("dtrain::grouped_blockwise_mm", mutates_args=())
@@ -43,8 +60,8 @@ def grouped_blockwise_mm(a: torch.Tensor, a_scales: torch.Tensor, w: torch.Tenso
 
         return gpu_blockwise.grouped_mm(a.contiguous(), a_scales.contiguous(), w.contiguous(),
                                         w_scales.contiguous(), ends, out_dtype)
-    past = (torch.arange(a.shape[0], device=a.device) >= ends[-1]).unsqueeze(1)
-    return _emulated(a, a_scales, w, w_scales, ends).masked_fill(past, 0).to(out_dtype)
+    with torch.autocast(a.device.type, enabled=False):
+        return _emulated_product(a, a_scales, w, w_scales, ends).to(out_dtype)
 
 
 @grouped_blockwise_mm.register_fake
@@ -67,7 +84,8 @@ def accumulate_grouped_blockwise(total: torch.Tensor, g_t: torch.Tensor, g_scale
         gpu_blockwise.accumulate_weight_gradient(total, g_t.contiguous(), g_scales.contiguous(),
                                                  a_t.contiguous(), a_scales.contiguous(), ends)
         return
-    total.add_(_emulated(g_t, g_scales, a_t, a_scales, ends))
+    with torch.autocast(total.device.type, enabled=False):
+        total.add_(_emulated_weight_gradient(g_t, g_scales, a_t, a_scales, ends))
 
 
 @accumulate_grouped_blockwise.register_fake
@@ -90,10 +108,10 @@ def gpu_kernels_failure(device: torch.device) -> str | None:
         a, w = quantize_tiles(rows), quantize_blocks(weight)
         g_t, a_t = quantize_tiles(grad.t().contiguous()), quantize_tiles(rows.t().contiguous())
         got = gpu_blockwise.grouped_mm(*a, *w, ends, torch.float32)[:256]
-        want = _emulated(*a, *w, ends)[:256]
+        want = _emulated_product(*a, *w, ends)[:256]
         got_grad = torch.zeros(3, 128, 256, device=device)
         gpu_blockwise.accumulate_weight_gradient(got_grad, *g_t, *a_t, ends)
-        want_grad = _emulated(g_t[0], g_t[1], a_t[0], a_t[1], ends)
+        want_grad = _emulated_weight_gradient(*g_t, *a_t, ends)
     except Exception as e:  # no such device, or a Triton that cannot build them: said, not raised
         return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     for name, g, w in (("product", got, want), ("weight gradient", got_grad, want_grad)):
