@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import BASE
+from conftest import BASE, INTERPRETED
 
 from dtrain import Trainer, load_config
 from dtrain.models.moe import GroupedExperts
@@ -41,14 +41,16 @@ def per_expert(module: GroupedExperts, rows: torch.Tensor, counts: list[int]) ->
     return F.pad(torch.cat(outs), (0, 0, 0, rows.shape[0] - start))
 
 
-@pytest.mark.parametrize("mode", [
-    "blockwise_emulated",
-    pytest.param("blockwise", marks=pytest.mark.skipif(  # the Triton grouped GEMMs
+@pytest.mark.parametrize(("mode", "device"), [
+    ("blockwise_emulated", "cpu"),
+    # the Triton grouped GEMMs: in the interpreter, and on a GPU
+    pytest.param("blockwise", "cpu", marks=pytest.mark.skipif(
+        not INTERPRETED, reason="needs Triton installed, for its interpreter (CI installs it)")),
+    pytest.param("blockwise", "cuda", marks=pytest.mark.skipif(
         not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
         reason="needs a Hopper GPU; its output is in docs/benchmarks.md"))])
 @pytest.mark.parametrize("counts", [[130, 0, 77, 256], [1, 128, 129, 3]])
-def test_the_grouped_gemms_equal_each_expert_on_its_own(counts, mode):
-    device = "cuda" if mode == "blockwise" else "cpu"
+def test_the_grouped_gemms_equal_each_expert_on_its_own(counts, mode, device):
     module, rows, counts_t = experts_and_rows(counts)
     module, rows = module.to(device), rows.detach().to(device).requires_grad_()
     counts_t = counts_t.to(device)
@@ -60,12 +62,14 @@ def test_the_grouped_gemms_equal_each_expert_on_its_own(counts, mode):
     want_grads = torch.autograd.grad(want, (rows, module.w1, module.w2, module.w3), grad)
     # The same casts and products; only the order of the fp32 sums differs, which now and then
     # tips an intermediate's e4m3 rounding (2^-4 relative) and moves a few values by up to
-    # 3e-4 of the largest: measured 5 of 68,096 outputs.
+    # 3e-4 of the largest: measured 5 of 68,096 outputs emulated. A tipped element of a
+    # gradient moves a whole row of the rows' gradient (256 values): in the kernels' order
+    # 0.2% of them (one row of 468).
     for name, g, w in zip(("out", "rows", "w1", "w2", "w3"), (got, *got_grads),
                           (want, *want_grads), strict=True):
         scale = w.abs().max().item()
         off = ((g - w).abs() > 1e-5 * scale).float().mean().item()
-        assert off < 1e-3 and (g - w).abs().max() < 2e-3 * scale, (name, off)
+        assert off < 5e-3 and (g - w).abs().max() < 2e-3 * scale, (name, off)
     # and they are not the plain products: the casts round
     module.fp8 = None
     plain = module(rows, counts_t)

@@ -5,17 +5,18 @@ tiles and blocks (``dtrain.kernels.blockwise_mm``'s casts).
 Rows come sorted by expert in groups that end at ``ends`` (int32, on the device) and start at
 multiples of 128 (``dtrain.models.grouped_gemm.pad_groups``): a 1x128 tile of the rows, a
 128-row tile of the product and a 128-token tile of the weight gradient's sum each lie in one
-expert. On a GPU both are Triton kernels (``dtrain.kernels.gpu_blockwise``) that read the ends
-on the device and apply the scales to each 128-wide slice of the sum; elsewhere, or with
-``emulate``, the operands are dequantised and multiplied in fp32, one matmul per expert after
-the ends are read on the host (the same products, summed in another order).
-``gpu_kernels_failure(device)`` says why the Triton kernels do not run on a GPU (None where
-they do), checked once against the emulated products.
+expert. On a GPU (and in Triton's interpreter) both are Triton kernels
+(``dtrain.kernels.gpu_blockwise``) that read the ends on the device and apply the scales to
+each 128-wide slice of the sum; elsewhere, or with ``emulate``, the operands are dequantised
+and multiplied in fp32, one matmul per expert after the ends are read on the host (the same
+products, summed in another order). ``gpu_kernels_failure(device)`` says why the Triton
+kernels do not run on a GPU (None where they do), checked once against the emulated products.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -23,6 +24,12 @@ from dtrain.kernels.accumulate import groups
 from dtrain.kernels.blockwise_mm import dequantize, quantize_blocks, quantize_tiles
 
 TOLERANCE = 1e-3  # of the largest value: the GPU kernels against the emulated products
+# Triton's interpreter runs the kernels on CPU tensors (the tests, on machines without CUDA).
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _kernels_run(t: torch.Tensor, emulate: bool) -> bool:
+    return not emulate and (t.is_cuda or INTERPRETED)
 
 
 def _emulated_product(a: torch.Tensor, a_scales: torch.Tensor, w: torch.Tensor,
@@ -55,7 +62,7 @@ def grouped_blockwise_mm(a: torch.Tensor, a_scales: torch.Tensor, w: torch.Tenso
     ``w [E, N, K]`` (e4m3 in 128x128 blocks, scales ``[E, N / 128, K / 128]``) transposed, on
     the groups of rows ending at ``ends``: ``[M, N]`` in ``out_dtype``, zero in the rows past
     ``ends[-1]``."""
-    if a.is_cuda and not emulate:
+    if _kernels_run(a, emulate):
         from dtrain.kernels import gpu_blockwise
 
         return gpu_blockwise.grouped_mm(a.contiguous(), a_scales.contiguous(), w.contiguous(),
@@ -78,7 +85,7 @@ def accumulate_grouped_blockwise(total: torch.Tensor, g_t: torch.Tensor, g_scale
     the rows (128-token tiles: scales ``[N, M / 128]`` and ``[K, M / 128]``). On the GPU the sum
     is added inside the kernel (no second pass over ``total``); columns past ``ends[-1]`` are
     never read."""
-    if total.is_cuda and not emulate:
+    if _kernels_run(total, emulate):
         from dtrain.kernels import gpu_blockwise
 
         gpu_blockwise.accumulate_weight_gradient(total, g_t.contiguous(), g_scales.contiguous(),
