@@ -87,6 +87,11 @@ def test_the_weight_gradient_kernel_adds_the_emulated_product_into_the_gradient(
     assert (got - want).abs().max() <= tolerance(device) * added.abs().max()
     # the empty expert's gradient is untouched
     assert torch.equal(got[1], before[1])
+    # a gradient it cannot add into in place is refused, untouched
+    strided = before.transpose(1, 2).contiguous().transpose(1, 2)
+    with pytest.raises(ValueError, match="contiguous"):
+        accumulate_grouped_blockwise(strided, *g_t, *a_t, ends, False)
+    assert torch.equal(strided, before)
 
 
 def test_the_ops_fake_tensors_and_compiled_graphs_agree_with_them():

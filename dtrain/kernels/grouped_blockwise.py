@@ -88,6 +88,10 @@ def accumulate_grouped_blockwise(total: torch.Tensor, g_t: torch.Tensor, g_scale
     if _kernels_run(total, emulate):
         from dtrain.kernels import gpu_blockwise
 
+        if not total.is_contiguous():  # the kernel adds into it in place, by its own strides
+            raise ValueError(f"accumulate_grouped_blockwise adds into a contiguous [E, N, K] "
+                             f"gradient; got strides {total.stride()}")
+
         gpu_blockwise.accumulate_weight_gradient(total, g_t.contiguous(), g_scales.contiguous(),
                                                  a_t.contiguous(), a_scales.contiguous(), ends)
         return
