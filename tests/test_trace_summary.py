@@ -71,9 +71,12 @@ def launched(name, ts, dur, correlation):
 
 def test_idle_is_charged_to_the_host_ops_that_launched_the_next_kernel(tmp_path):
     events = [
-        # A host sync from 90 to 400 us: the device runs dry at 100 and waits until 400.
+        # A host sync from 90 to 95 us (the host's clock a few us behind the device's): the
+        # device runs dry at 100 and waits until 400.
         host("cpu_op", "aten::tolist", 80, 315),
-        host("cuda_runtime", "cudaStreamSynchronize", 90, 304),
+        host("cuda_runtime", "cudaStreamSynchronize", 90, 5),
+        # an earlier sync, long over when the device ran dry
+        host("cuda_runtime", "cudaStreamSynchronize", 10, 20),
         host("cpu_op", "dtrain::accumulate_grouped_matmul", 395, 20),
         host("cpu_op", "aten::addmm", 396, 10),
         host("cuda_runtime", "cudaLaunchKernel", 398, 5, correlation=2),
