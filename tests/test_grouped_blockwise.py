@@ -8,9 +8,14 @@ read."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
-from conftest import INTERPRETED
+from conftest import INTERPRETED, PYTHONPATH, ROOT
 
 from dtrain.kernels.blockwise_mm import quantize_blocks, quantize_tiles
 from dtrain.kernels.grouped_blockwise import (
@@ -115,3 +120,24 @@ def test_the_ops_fake_tensors_and_compiled_graphs_agree_with_them():
 @pytest.mark.parametrize("device", DEVICES)
 def test_the_kernels_pass_their_check_on_the_device(device):
     assert gpu_kernels_failure(torch.device(device)) is None
+
+
+# ---- Compiled for Hopper without a GPU -----------------------------------------------------
+
+@pytest.mark.skipif(torch.cuda.is_available() or not INTERPRETED,
+                    reason="a machine without a GPU and with Triton (CI): on a GPU the kernels "
+                           "compile at their first launch")
+def test_the_kernels_compile_for_hopper_pipelined_on_tensor_cores_without_spilling():
+    # What a launch on an H100 or H200 compiles, here without one (tools/hopper_compile.py:
+    # Triton's sm90 code generation and ptxas, in a process without the interpreter). A kernel
+    # that reads a Python global, say, runs in the interpreter and fails to compile.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, str(ROOT / "tools" / "hopper_compile.py")],
+                          env={**env, "PYTHONPATH": PYTHONPATH}, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    kernels = {k["kernel"]: k for k in map(json.loads, done.stdout.splitlines())}
+    assert set(kernels) == {"blockwise grouped product", "blockwise weight gradient"}
+    for kernel in kernels.values():
+        assert kernel["wgmma"] and kernel["pipelined"], kernel  # FP8 tensor cores, loads ahead
+        assert kernel["stack"] == 0 and kernel["local"] == 0, kernel  # no register spills
