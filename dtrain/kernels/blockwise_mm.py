@@ -97,10 +97,10 @@ def _scaled_mm(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scale
 
 # Inductor hands the operands over contiguous, as the GEMM takes them: its fused casts then write
 # them in that layout, where a strided copy inside the op cost 0.24 ms a product on an H200.
-_CONTIGUOUS = getattr(torch.Tag, "needs_contiguous_strides", torch.Tag.needs_exact_strides)
+CONTIGUOUS = getattr(torch.Tag, "needs_contiguous_strides", torch.Tag.needs_exact_strides)
 
 
-@torch.library.custom_op("dtrain::blockwise_mm", mutates_args=(), tags=(_CONTIGUOUS,))
+@torch.library.custom_op("dtrain::blockwise_mm", mutates_args=(), tags=(CONTIGUOUS,))
 def blockwise_mm(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor,
                  b_scales: torch.Tensor, out_dtype: torch.dtype, emulate: bool) -> torch.Tensor:
     """``a @ b^T`` (module docstring) in ``out_dtype``: cuBLASLt's blockwise GEMM on a GPU where

@@ -21,7 +21,7 @@ import os
 import torch
 
 from dtrain.kernels.accumulate import groups
-from dtrain.kernels.blockwise_mm import dequantize, quantize_blocks, quantize_tiles
+from dtrain.kernels.blockwise_mm import CONTIGUOUS, dequantize, quantize_blocks, quantize_tiles
 
 TOLERANCE = 1e-3  # of the largest value: the GPU kernels against the emulated products
 # Triton's interpreter runs the kernels on CPU tensors (the tests, on machines without CUDA).
@@ -54,7 +54,9 @@ def _emulated_weight_gradient(g_t: torch.Tensor, g_scales: torch.Tensor, a_t: to
     return total
 
 
-@torch.library.custom_op("dtrain::grouped_blockwise_mm", mutates_args=())
+# Both ops ask Inductor for contiguous operands (CONTIGUOUS), as the kernels take them: its fused
+# casts then write them so, where a copy inside the op would cost a pass over each.
+@torch.library.custom_op("dtrain::grouped_blockwise_mm", mutates_args=(), tags=(CONTIGUOUS,))
 def grouped_blockwise_mm(a: torch.Tensor, a_scales: torch.Tensor, w: torch.Tensor,
                          w_scales: torch.Tensor, ends: torch.Tensor, out_dtype: torch.dtype,
                          emulate: bool) -> torch.Tensor:
@@ -76,7 +78,8 @@ def _(a, a_scales, w, w_scales, ends, out_dtype, emulate):
     return a.new_empty(a.shape[0], w.shape[1], dtype=out_dtype)
 
 
-@torch.library.custom_op("dtrain::accumulate_grouped_blockwise", mutates_args=("total",))
+@torch.library.custom_op("dtrain::accumulate_grouped_blockwise", mutates_args=("total",),
+                         tags=(CONTIGUOUS,))
 def accumulate_grouped_blockwise(total: torch.Tensor, g_t: torch.Tensor, g_scales: torch.Tensor,
                                  a_t: torch.Tensor, a_scales: torch.Tensor, ends: torch.Tensor,
                                  emulate: bool) -> None:
