@@ -65,11 +65,12 @@ def test_the_grouped_gemms_equal_each_expert_on_its_own(counts, mode, device):
     # 3e-4 of the largest: measured 5 of 68,096 outputs emulated. A tipped element of a
     # gradient moves a whole row of the rows' gradient (256 values): in the kernels' order
     # 0.2% of them (one row of 468).
+    most_off = 1e-3 if mode == "blockwise_emulated" else 5e-3
     for name, g, w in zip(("out", "rows", "w1", "w2", "w3"), (got, *got_grads),
                           (want, *want_grads), strict=True):
         scale = w.abs().max().item()
         off = ((g - w).abs() > 1e-5 * scale).float().mean().item()
-        assert off < 5e-3 and (g - w).abs().max() < 2e-3 * scale, (name, off)
+        assert off < most_off and (g - w).abs().max() < 2e-3 * scale, (name, off)
     # and they are not the plain products: the casts round
     module.fp8 = None
     plain = module(rows, counts_t)

@@ -18,6 +18,7 @@ largest such sources are listed.
 from __future__ import annotations
 
 import argparse
+import bisect
 import gzip
 import json
 import re
@@ -85,9 +86,13 @@ def gap_sources(events: list[dict], kernels: list[dict], gaps: list[tuple[float,
                 ) -> dict[str, list[float]]:
     """Each compute gap over ``GAP_US``, charged to the host ops that launched the kernel ending
     it: ``{ops: [gaps, idle us, gaps after a host sync]}``."""
-    host = [e for e in events if e.get("ph") == "X"
-            and e.get("cat") in ("cpu_op", "user_annotation")
-            and not str(e.get("name", "")).startswith("ProfilerStep#")]
+    host = defaultdict(list)  # thread: its ops by start, the outer of two at one time first
+    for e in sorted((e for e in events if e.get("ph") == "X"
+                     and e.get("cat") in ("cpu_op", "user_annotation")
+                     and not str(e.get("name", "")).startswith("ProfilerStep#")),
+                    key=lambda e: (e["ts"], -e["dur"])):
+        host[e.get("tid")].append(e)
+    host_starts = {tid: [e["ts"] for e in ops] for tid, ops in host.items()}
     runtime = [e for e in events if e.get("ph") == "X"
                and e.get("cat") in ("cuda_runtime", "cuda_driver")]
     launches = {e["args"]["correlation"]: e for e in runtime if "correlation" in e.get("args", {})}
@@ -101,10 +106,14 @@ def gap_sources(events: list[dict], kernels: list[dict], gaps: list[tuple[float,
         if launch is None:
             ops = "(launch not in the trace)"
         else:
-            around = sorted((e for e in host if e.get("tid") == launch.get("tid")
-                             and e["ts"] <= launch["ts"] <= e["ts"] + e["dur"]),
-                            key=lambda e: (e["ts"], -e["dur"]))
-            ops = " < ".join(e["name"][:60] for e in reversed(around[-3:])) or "(no host op)"
+            # back from the launch, the innermost three ops still running at it
+            ops_of, around = host.get(launch.get("tid"), []), []
+            i = bisect.bisect_right(host_starts.get(launch.get("tid"), []), launch["ts"])
+            while i > 0 and len(around) < 3:
+                i -= 1
+                if ops_of[i]["ts"] + ops_of[i]["dur"] >= launch["ts"]:
+                    around.append(ops_of[i]["name"][:60])
+            ops = " < ".join(around) or "(no host op)"
         entry = sources[ops]
         entry[0] += 1
         entry[1] += b - a
@@ -171,13 +180,13 @@ def report(summaries: list[dict], labels: list[str], top: int, sources: int = 0)
     for label, s in zip(labels, summaries, strict=True):
         gaps = ", ".join(f"{g:.2f}" for g in s["largest_gaps_ms"])
         lines.append(f"largest compute gaps, {label} (ms): {gaps}")
-    for label, s in zip(labels, summaries, strict=True):
-        if not sources:
-            break
-        lines.append(f"\nidle over {GAP_US} us by the host ops that launched the next kernel, "
-                     f"{label} (per step: ms, gaps, after a host sync):")
-        ranked = sorted(s["gap_sources"].items(), key=lambda kv: -kv[1][1])[:sources]
-        lines += [f"  {t:8.2f} ms  x{n:<5.0f} sync x{m:<5.0f} {ops}" for ops, (n, t, m) in ranked]
+    if sources:
+        for label, s in zip(labels, summaries, strict=True):
+            lines.append(f"\nidle over {GAP_US} us by the host ops that launched the next "
+                         f"kernel, {label} (per step: ms, gaps, after a host sync):")
+            ranked = sorted(s["gap_sources"].items(), key=lambda kv: -kv[1][1])[:sources]
+            lines += [f"  {t:8.2f} ms  x{n:<5.0f} sync x{m:<5.0f} {ops}"
+                      for ops, (n, t, m) in ranked]
     # Kernel names differ between two compiled programs (Triton names carry their fusion), so
     # the comparison is by category above; below, each trace's own top kernels.
     for label, s in zip(labels, summaries, strict=True):

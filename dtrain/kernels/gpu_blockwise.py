@@ -15,7 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK = 128  # the recipe's tile: the sums' slices, the rows of a tile, a weight block's side
+from dtrain.kernels.blockwise_mm import BLOCK  # the sums' slices, a row tile, a weight block
+
 TILE = tl.constexpr(BLOCK)  # the same, as compiled kernels read a global
 # Each kernel's tile sizes and launch (tools/hopper_compile.py compiles them for sm90 and shows
 # their registers and pipelining). The weight gradient's output tiles are 128 x 64: at 128 x 128

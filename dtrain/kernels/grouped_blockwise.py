@@ -94,7 +94,6 @@ def accumulate_grouped_blockwise(total: torch.Tensor, g_t: torch.Tensor, g_scale
         if not total.is_contiguous():  # the kernel adds into it in place, by its own strides
             raise ValueError(f"accumulate_grouped_blockwise adds into a contiguous [E, N, K] "
                              f"gradient; got strides {total.stride()}")
-
         gpu_blockwise.accumulate_weight_gradient(total, g_t.contiguous(), g_scales.contiguous(),
                                                  a_t.contiguous(), a_scales.contiguous(), ends)
         return
@@ -128,10 +127,12 @@ def gpu_kernels_failure(device: torch.device) -> str | None:
         want_grad = _emulated_weight_gradient(*g_t, *a_t, ends)
     except Exception as e:  # no such device, or a Triton that cannot build them: said, not raised
         return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    for name, g, w in (("product", got, want), ("weight gradient", got_grad, want_grad)):
+    for name, kernel, emulated in (("product", got, want),
+                                   ("weight gradient", got_grad, want_grad)):
         # The same products summed in another order (6e-7 of the largest value in Triton's
         # interpreter), in Hopper's FP8 tensor cores with fewer bits within each 128-wide slice
         # (cuBLASLt's blockwise GEMM: 2e-4 on an H200).
-        if not (g - w).abs().max() <= TOLERANCE * w.abs().max():
-            return f"the {name} differs from the emulated one by {(g - w).abs().max():.3g}"
+        error = (kernel - emulated).abs().max()
+        if not error <= TOLERANCE * emulated.abs().max():
+            return f"the {name} differs from the emulated one by {error:.3g}"
     return None

@@ -384,8 +384,7 @@ def kept_summary(kept: Sequence[str], filter_fqns: Sequence[str], blockwise: boo
             why = "MoE router"
         elif name.endswith("experts"):
             why = ("widths not multiples of 128, fp8.experts off, or the GPU kernels' check "
-                   "failed" if blockwise
-                   else "widths not multiples of 16")
+                   "failed") if blockwise else "widths not multiples of 16"
         elif blockwise:
             why = "widths not multiples of 128, a bias, or a shared weight"
         else:
