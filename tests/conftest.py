@@ -3,6 +3,7 @@ import importlib.util
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -122,10 +123,24 @@ def strict_records(run_dir) -> list[dict]:
 
 
 def start_cli(args: list[str]) -> subprocess.Popen:
-    """``python -m dtrain.train ARGS`` in one process in the background, its output piped."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": PYTHONPATH}
+    """``python -m dtrain.train ARGS`` in one process in the background, its output piped (with
+    Python's fault handler on: ``finish`` reads its threads' stacks if it does not end)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": PYTHONPATH,
+           "PYTHONFAULTHANDLER": "1"}
     return subprocess.Popen([sys.executable, "-m", "dtrain.train", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+
+
+def finish(process: subprocess.Popen, timeout: float) -> tuple[str, str]:
+    """``process.communicate(timeout)``; a process still running then fails the test with the
+    Python stacks of its threads (SIGABRT makes the fault handler print them)."""
+    try:
+        return process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.send_signal(signal.SIGABRT)
+        _, err = process.communicate(timeout=60)
+        raise AssertionError(f"still running after {timeout:.0f} s; its threads' stacks:\n"
+                             f"{err[-8000:]}") from None
 
 
 def torchrun(args: list[str], nproc: int = 2, launch: tuple[str, ...] = ("--standalone",),

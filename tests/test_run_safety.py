@@ -17,6 +17,7 @@ from conftest import (
     BASE,
     REL,
     cli_args,
+    finish,
     rank_pid,
     run_cli,
     start_cli,
@@ -283,7 +284,7 @@ def ctrl_c_run(tmp_path, **overrides) -> tuple[subprocess.CompletedProcess, list
     lines = []
     wait_for_step(process, 3, lines)
     process.send_signal(signal.SIGINT)
-    out, err = process.communicate(timeout=120)
+    out, err = finish(process, 120)
     return subprocess.CompletedProcess(process.args, process.returncode, "".join(lines) + out,
                                        err), lines
 
