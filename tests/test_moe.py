@@ -10,6 +10,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from dtrain import load_config
+from dtrain.kernels.accumulate import host_ends
 from dtrain.metrics import model_flops_per_token
 from dtrain.model_shape import moe_overrides
 from dtrain.models import build
@@ -268,3 +269,36 @@ def test_grouped_moe_layer_reads_nothing_on_the_host(capacity_factor):
     looped = moe(aux_loss_coeff=0.01, capacity_factor=capacity_factor, gemm="loop")
     assert host_syncs(grouped, x) == []
     assert len(host_syncs(looped, x)) >= 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="needs a GPU (the groups' ends copied to pinned memory); its output is "
+                           "in docs/benchmarks.md")
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_on_the_gpu_the_weight_gradients_read_the_ends_without_waiting_for_the_device(compiled):
+    # Experts large enough for one accumulating GEMM each (LOOPED_VALUES), whose loop reads the
+    # groups' ends on the host: from the copy the forward started, so no synchronising read
+    # (which the sync check turns into an error: the control shows it does).
+    torch.manual_seed(0)
+    n_experts, dim, hidden = 4, 1024, 8192
+    weights = [torch.randn(n_experts, *shape, device="cuda") / 32
+               for shape in ((hidden, dim), (dim, hidden), (hidden, dim))]
+    grads = [torch.zeros_like(w) for w in weights]
+    operands = [((w.bfloat16(),), g) for w, g in zip(weights, grads, strict=True)]
+    counts = torch.tensor([300, 0, 1000, 748], device="cuda")
+    swiglu = torch.compile(grouped_swiglu) if compiled else grouped_swiglu
+
+    def forward_backward():
+        x = torch.randn(2048, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        swiglu(x, counts, *weights, "plain", operands).float().square().sum().backward()
+
+    forward_backward()  # compilation and the one-time checks read the device
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            host_ends(torch.tensor([1, 2], dtype=torch.int32, device="cuda"))
+        forward_backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for g in grads:  # the empty expert got nothing, the others their products
+        assert g[1].count_nonzero() == 0 and all(g[e].abs().sum() > 0 for e in (0, 2, 3))

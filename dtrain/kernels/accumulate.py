@@ -11,8 +11,9 @@ shapes (``dtrain.kernels.cublaslt_binding``). The FP8 GEMM of the same kind is
 ``accumulate_grouped_matmul`` does the same for the MoE experts' stacked weight gradients,
 ``total[e] += a[:, rows of e] @ b[rows of e]``: on a GPU, for experts whose weight is large
 (``LOOPED_VALUES``), one accumulating GEMM per expert, with the groups' ends read on the host
-(one sync of a few bytes per MoE layer and micro-batch, shared by its three weights:
-``host_ends``); elsewhere one grouped GEMM (``torch._grouped_mm``, bf16 out), then an add.
+(once per MoE layer and micro-batch, shared by its three weights: ``host_ends``; from a copy
+started in the forward, ``stage_ends``, so the read waits for nothing queued after it);
+elsewhere one grouped GEMM (``torch._grouped_mm``, bf16 out), then an add.
 """
 
 from __future__ import annotations
@@ -102,14 +103,45 @@ def warn_untuned(reason: str) -> None:
 # tensor's version when read: the three weights of an MoE layer share one ends tensor, and so
 # one read (one wait for the device) instead of three.
 _host_ends = WeakIdKeyDictionary()
+# The copies ``stage_ends`` started: tensor -> (its version, the pinned host copy, the event
+# recorded after the copy).
+_staged = WeakIdKeyDictionary()
+
+
+@torch.library.custom_op("dtrain::stage_ends", mutates_args=())
+def stage_ends(ends: torch.Tensor) -> torch.Tensor:
+    """A copy of the groups' ``ends`` whose values the host will read later (``host_ends``): on
+    a GPU their copy to pinned host memory is queued now, where they are computed. ``ends.tolist()``
+    in the backward would wait for everything queued before it, the whole forward and backward
+    so far, and leave the device idle while the host launches the next kernels; the staged copy
+    waits only for an event recorded in the forward, long past by then."""
+    staged = ends.clone()
+    if staged.is_cuda:
+        host = torch.empty(staged.shape, dtype=staged.dtype, pin_memory=True)
+        host.copy_(staged, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        _staged[staged] = (staged._version, host, done)
+    return staged
+
+
+@stage_ends.register_fake
+def _(ends: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(ends)
 
 
 def host_ends(ends: torch.Tensor) -> list[int]:
-    """``ends`` as a list, read from the device once per tensor (again after an in-place
-    change)."""
+    """``ends`` as a list, read once per tensor (again after an in-place change): from the copy
+    ``stage_ends`` started if it made this tensor, else from the device."""
     seen = _host_ends.get(ends)
     if seen is None or seen[0] != ends._version:
-        seen = _host_ends[ends] = (ends._version, ends.tolist())
+        staged = _staged.pop(ends, None)
+        if staged is not None and staged[0] == ends._version:
+            staged[2].synchronize()
+            values = staged[1].tolist()
+        else:
+            values = ends.tolist()
+        seen = _host_ends[ends] = (ends._version, values)
     return seen[1]
 
 

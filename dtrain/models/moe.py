@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dtrain.dtensor import local
+from dtrain.kernels.accumulate import stage_ends
 from dtrain.models.feed_forward import FeedForward
 from dtrain.models.grouped_gemm import (
     cast_weight,
@@ -81,6 +82,7 @@ def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: 
         rows, ends = x, torch.cumsum(counts, 0, dtype=torch.int32)
     else:
         rows, ends, dest = pad_groups(x, counts, group_rows(mode))
+    ends = stage_ends(ends)  # the weight gradients read them on the host: copied there now
     op1, op2, op3 = operands or (None, None, None)
     h = (F.silu(grouped_linear(rows, w1, ends, mode, op1, fp8_grad))
          * grouped_linear(rows, w3, ends, mode, op3, fp8_grad))
