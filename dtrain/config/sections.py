@@ -323,10 +323,13 @@ class FP8Config:
     """torchao only: compute the FP8 matmuls in high precision, so the FP8 path (casts, scales,
     FP8 all-gather) runs on any device, the CPU included; for testing, not for speed. Blockwise
     is emulated by dtrain (the same tiles, blocks and scales; fp32 products)."""
-    blockwise_gemm: Literal["triton", "cublaslt"] = "triton"
+    blockwise_gemm: Literal["triton", "cublaslt", "kernels"] = "triton"
     """The blockwise recipe's GEMMs on a Hopper GPU: triton (torchao's Float8BlockwiseLinear,
-    the faster one measured: docs/benchmarks.md) or cublaslt (dtrain's casts and cuBLASLt's
-    blockwise-scaled GEMM through torch._scaled_mm, CUDA 12.9 or newer)."""
+    the faster one measured: docs/benchmarks.md), cublaslt (dtrain's casts and cuBLASLt's
+    blockwise-scaled GEMM through torch._scaled_mm, CUDA 12.9 or newer) or kernels (dtrain's
+    casts and its Triton kernels, the experts' grouped GEMMs with one group: the block scales
+    applied to each 128-wide slice of the sum, the weight gradient summed in fp32 in the
+    kernel)."""
 
 
 @dataclass

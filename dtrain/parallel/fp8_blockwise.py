@@ -19,13 +19,15 @@ Engine's default rounds them; torchao and DeepSeek-V3's report do not).
 
 On a Hopper GPU the linears become, by ``fp8.blockwise_gemm``, torchao's
 ``Float8BlockwiseLinear`` (``"triton"``: its Triton casts and GEMMs; the faster one measured)
-or ``BlockwiseLinear`` with cuBLASLt's GEMMs (``"cublaslt"``). ``BlockwiseLinear``'s casts are
-plain torch code, which Inductor fuses into the kernels around them when the blocks are
-compiled; each of its three products is one ``dtrain.kernels.blockwise_mm``: cuBLASLt's GEMM,
-which applies the scales inside its sums (``torch._scaled_mm``'s blockwise scaling, as
-Transformer Engine's ``Float8BlockScaling`` on Hopper), or, on the CPU and with
-``fp8.emulate``, the dequantised operands multiplied in fp32: the recipe's numerics, at
-high-precision speed.
+or ``BlockwiseLinear`` with cuBLASLt's GEMMs (``"cublaslt"``) or dtrain's Triton kernels
+(``"kernels"``). ``BlockwiseLinear``'s casts are plain torch code, which Inductor fuses into
+the kernels around them when the blocks are compiled; each of its three products is one
+``dtrain.kernels.blockwise_mm``: cuBLASLt's GEMM, which applies the scales inside its sums
+(``torch._scaled_mm``'s blockwise scaling, as Transformer Engine's ``Float8BlockScaling`` on
+Hopper), or, on the CPU and with ``fp8.emulate``, the dequantised operands multiplied in fp32:
+the recipe's numerics, at high-precision speed. With ``"kernels"`` the products are the MoE
+experts' grouped GEMMs with one group of all the tokens (``dtrain.kernels.grouped_blockwise``),
+the weight gradient summed in fp32 inside its kernel.
 
 A linear converts when ``fp8_filter`` lets it and both its widths are multiples of 128 (whole
 blocks) and it has no bias; the rest stay in bf16 and the start-up line names them. Tensor
@@ -51,26 +53,61 @@ from dtrain.kernels.blockwise_mm import (
     quantize_blocks,
     quantize_tiles,
 )
-from dtrain.kernels.grouped_blockwise import gpu_kernels_failure
+from dtrain.kernels.grouped_blockwise import (
+    accumulate_grouped_blockwise,
+    gpu_kernels_failure,
+    grouped_blockwise_mm,
+)
 from dtrain.log import logger
 from dtrain.models.moe import GroupedExperts
 
-GEMMS = {"triton": "torchao's Triton GEMMs", "cublaslt": "cuBLASLt's GEMMs"}
+GEMMS = {"triton": "torchao's Triton GEMMs", "cublaslt": "cuBLASLt's GEMMs",
+         "kernels": "dtrain's Triton GEMMs"}
+
+
+def _one_group(rows: int, device: torch.device) -> torch.Tensor:
+    """The groups' ends of the grouped kernels for ``rows`` rows as one group."""
+    return torch.full((1,), rows, dtype=torch.int32, device=device)
+
+
+def _product(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
+             out_dtype: torch.dtype, emulate: bool, kernels: bool) -> torch.Tensor:
+    """``a @ b^T`` (``blockwise_mm``'s contract): dtrain's grouped kernel where ``kernels``,
+    else ``blockwise_mm``."""
+    if kernels:
+        ends = _one_group(a.shape[0], a.device)
+        return grouped_blockwise_mm(a, a_scales, b[None], b_scales[None], ends, out_dtype, emulate)
+    return blockwise_mm(a, a_scales, b, b_scales, out_dtype, emulate)
+
+
+def _weight_product(g_t: torch.Tensor, g_scales: torch.Tensor, a_t: torch.Tensor,
+                    a_scales: torch.Tensor, out_dtype: torch.dtype, emulate: bool,
+                    kernels: bool) -> torch.Tensor:
+    """``g_t @ a_t^T``, both in 128-token tiles along their rows: with ``kernels`` summed into
+    fp32 inside dtrain's weight-gradient kernel, else ``blockwise_mm``."""
+    if kernels:
+        total = g_t.new_zeros(1, g_t.shape[0], a_t.shape[0], dtype=torch.float32)
+        accumulate_grouped_blockwise(total, g_t, g_scales, a_t, a_scales,
+                                     _one_group(g_t.shape[1], g_t.device), emulate)
+        return total[0].to(out_dtype)
+    return blockwise_mm(g_t, g_scales, a_t, a_scales, out_dtype, emulate)
 
 
 class _BlockwiseMatmul(torch.autograd.Function):
     """``x W^T`` and its gradients, every operand cast as the recipe says (module docstring),
     each product one ``blockwise_mm`` (cuBLASLt's blockwise GEMM, or the dequantised product in
-    fp32 where ``emulate``). The weight is cast again in the backward rather than kept: its FP8
-    copy would live from each micro-batch's forward to its backward."""
+    fp32 where ``emulate``) or, with ``kernels``, dtrain's grouped kernels with one group. The
+    weight is cast again in the backward rather than kept: its FP8 copy would live from each
+    micro-batch's forward to its backward."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype,
-                emulate: bool) -> torch.Tensor:
+                emulate: bool, kernels: bool = False) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
-        ctx.emulate = emulate
+        ctx.gemm = (emulate, kernels)
         tokens = x.reshape(-1, x.shape[-1])
-        out = blockwise_mm(*quantize_tiles(tokens), *quantize_blocks(weight), out_dtype, emulate)
+        out = _product(*quantize_tiles(tokens), *quantize_blocks(weight), out_dtype, emulate,
+                       kernels)
         return out.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -79,41 +116,45 @@ class _BlockwiseMatmul(torch.autograd.Function):
         dy = grad_out.reshape(-1, grad_out.shape[-1])
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:  # dy W: W^T's blocks are W's, transposed, cast anew
-            grad_x = blockwise_mm(*quantize_tiles(dy), *quantize_blocks(weight.t()), x.dtype,
-                                  ctx.emulate).reshape(x.shape)  # (one fused kernel writes them)
+            grad_x = _product(*quantize_tiles(dy), *quantize_blocks(weight.t()), x.dtype,
+                              *ctx.gemm).reshape(x.shape)  # (one fused kernel writes them)
         if ctx.needs_input_grad[1]:  # dy^T x: tiles along the tokens, the sum's dimension
             tokens = x.reshape(-1, x.shape[-1]).t()
-            grad_w = blockwise_mm(*quantize_tiles(dy.t()), *quantize_tiles(tokens),
-                                  weight.dtype, ctx.emulate)
-        return grad_x, grad_w, None, None
+            grad_w = _weight_product(*quantize_tiles(dy.t()), *quantize_tiles(tokens),
+                                     weight.dtype, *ctx.gemm)
+        return grad_x, grad_w, None, None, None
 
 
-def blockwise_linear(x: torch.Tensor, weight: torch.Tensor, emulate: bool = True) -> torch.Tensor:
+def blockwise_linear(x: torch.Tensor, weight: torch.Tensor, emulate: bool = True,
+                     kernels: bool = False) -> torch.Tensor:
     """``F.linear(x, weight)`` (no bias) with the recipe's FP8 operands: ``x`` (..., in),
     ``weight`` (out, in); emulated (fp32 products) unless ``emulate`` is false and the GPU runs
-    cuBLASLt's blockwise GEMM. The output is in autocast's dtype where autocast is on, else in
+    cuBLASLt's blockwise GEMM, or with ``kernels`` dtrain's Triton kernels (on a GPU, or in
+    Triton's interpreter). The output is in autocast's dtype where autocast is on, else in
     ``x``'s; the gradients in their inputs' dtypes."""
     device = x.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-    return _BlockwiseMatmul.apply(x, weight, dtype, emulate)
+    return _BlockwiseMatmul.apply(x, weight, dtype, emulate, kernels)
 
 
 class BlockwiseLinear(nn.Linear):
     """An ``nn.Linear`` without bias computed by ``blockwise_linear``, emulated where
-    ``emulate`` (the CPU, ``fp8.emulate``). Its weight is the original layer's parameter; the
-    state dict is a plain linear's."""
+    ``emulate`` (the CPU, ``fp8.emulate``), by dtrain's kernels where ``kernels``. Its weight
+    is the original layer's parameter; the state dict is a plain linear's."""
 
     emulate: bool = True
+    kernels: bool = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return blockwise_linear(x, self.weight, self.emulate)
+        return blockwise_linear(x, self.weight, self.emulate, self.kernels)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, emulate: bool = True) -> BlockwiseLinear:
+    def from_linear(cls, linear: nn.Linear, emulate: bool = True,
+                    kernels: bool = False) -> BlockwiseLinear:
         with torch.device("meta"):
             new = cls(linear.in_features, linear.out_features, bias=False)
         new.weight = linear.weight
-        new.emulate = emulate
+        new.emulate, new.kernels = emulate, kernels
         return new
 
 
@@ -138,8 +179,9 @@ def check_blockwise(cfg: FP8Config, device: torch.device | None, tp: int,
                     tokens: int | None = None) -> None:
     """Refuses the blockwise recipe under tensor parallel and, unless emulated: on CUDA GPUs
     older than Hopper; with ``fp8.blockwise_gemm = "cublaslt"`` where cuBLASLt's blockwise GEMM
-    does not run (``blockwise_gemm_works``); and with ``tokens`` per micro-batch (on this rank:
-    micro-batch x seq / cp) that are no multiple of 128 (torchao's weight-gradient tiles) or,
+    does not run (``blockwise_gemm_works``), with ``"kernels"`` where dtrain's Triton kernels
+    fail their check (``gpu_kernels_failure``); and with ``tokens`` per micro-batch (on this rank:
+    micro-batch x seq / cp) that are no multiple of 128 (the weight gradients' tiles) or,
     for cuBLASLt, 16 (the weight gradient's sum runs over them). Off CUDA,
     ``dtrain.parallel.fp8.check_fp8`` refuses it without ``fp8.emulate``."""
     if tp > 1:
@@ -160,6 +202,10 @@ def check_blockwise(cfg: FP8Config, device: torch.device | None, tp: int,
                           f"CUDA 12.9 or newer), which does not run on "
                           f"{torch.cuda.get_device_name(device)} with torch {torch.__version__} "
                           f"(CUDA {torch.version.cuda}): use fp8.blockwise_gemm = 'triton'")
+    if cfg.blockwise_gemm == "kernels" and (failure := gpu_kernels_failure(device)):
+        raise ConfigError(f"fp8.blockwise_gemm = 'kernels' needs dtrain's Triton kernels, which "
+                          f"failed their check on {torch.cuda.get_device_name(device)} "
+                          f"({failure}): use fp8.blockwise_gemm = 'triton'")
     cublaslt = cfg.blockwise_gemm == "cublaslt"
     multiple = 16 if cublaslt else BLOCK
     if tokens is not None and tokens % multiple:
@@ -213,8 +259,8 @@ def convert_to_blockwise(model: nn.Module, cfg: FP8Config, fsdp: bool,
     for name, module in list(model.named_modules()):
         if convert(module, name):
             parent_name, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent_name), child,
-                    BlockwiseLinear.from_linear(module, emulate))
+            setattr(model.get_submodule(parent_name), child, BlockwiseLinear.from_linear(
+                module, emulate, kernels=not emulate and cfg.blockwise_gemm == "kernels"))
     return kept, fp8
 
 
