@@ -114,6 +114,17 @@ def moe_reference(tmp_path_factory):
     return Trainer(load_config("debug", {**MOE, "job.output_dir": str(out)})).train()
 
 
+def as_if_on_gpu(monkeypatch, name: str = "NVIDIA H200",
+                  capability: tuple[int, int] = (9, 0)) -> None:
+    """The FP8 checks told they run on a GPU called ``name`` of compute ``capability``, with the
+    FP8 backend installed (this machine may have neither)."""
+    from dtrain.parallel import fp8
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(fp8, "require_backend", lambda backend: None)
+
+
 def assert_like_the_emulation(name: str, got: torch.Tensor, want: torch.Tensor,
                               device: str, most_off: float = 5e-3) -> None:
     """dtrain's blockwise Triton kernels (``got``) against the emulated products (``want``):

@@ -9,7 +9,12 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import BASE, assert_converted_model_initialises_as_built, run_distributed
+from conftest import (
+    BASE,
+    as_if_on_gpu,
+    assert_converted_model_initialises_as_built,
+    run_distributed,
+)
 from torch import nn
 
 from dtrain import Trainer, load_config
@@ -18,7 +23,6 @@ from dtrain.kernels.blockwise_mm import dequantize, quantize_blocks, quantize_ti
 from dtrain.log import setup_logging
 from dtrain.models import build
 from dtrain.models.moe import GroupedExperts
-from dtrain.parallel import fp8 as fp8_module
 from dtrain.parallel import fp8_blockwise as blockwise_module
 from dtrain.parallel.fp8 import check_fp8, convert_to_fp8, describe_fp8, fp8_all_gather
 from dtrain.parallel.fp8_blockwise import BlockwiseLinear, blockwise_linear
@@ -323,9 +327,7 @@ def test_tensor_parallel_is_refused():
 
 
 def test_gpus_older_than_hopper_are_refused_and_hopper_passes(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA L40S")
-    monkeypatch.setattr(fp8_module, "require_backend", lambda backend: None)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
+    as_if_on_gpu(monkeypatch, "NVIDIA L40S", (8, 9))
     with pytest.raises(ConfigError, match=(
             r"^fp8.recipe = 'blockwise' needs GPUs of compute capability 9.0 or newer "
             r"\(its blockwise GEMMs\) but NVIDIA L40S has 8.9: use fp8.recipe = 'rowwise'$")):
@@ -340,9 +342,7 @@ def test_gpus_older_than_hopper_are_refused_and_hopper_passes(monkeypatch):
 
 
 def test_a_gpu_whose_cublaslt_lacks_blockwise_gemms_is_refused_for_that_choice(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
-    monkeypatch.setattr(fp8_module, "require_backend", lambda backend: None)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    as_if_on_gpu(monkeypatch)
     monkeypatch.setattr(blockwise_module, "blockwise_gemm_works", lambda device: False)
     with pytest.raises(ConfigError, match=(
             r"^fp8.blockwise_gemm = 'cublaslt' needs cuBLASLt's blockwise-scaled FP8 GEMM .* "
@@ -354,8 +354,7 @@ def test_a_gpu_whose_cublaslt_lacks_blockwise_gemms_is_refused_for_that_choice(m
 
 
 def test_tokens_per_micro_batch_the_gpu_gemms_cannot_sum_over_are_refused(monkeypatch):
-    monkeypatch.setattr(fp8_module, "require_backend", lambda backend: None)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    as_if_on_gpu(monkeypatch)
     monkeypatch.setattr(blockwise_module, "blockwise_gemm_works", lambda device: True)
     cuda = torch.device("cuda", 0)
     with pytest.raises(ConfigError, match=(

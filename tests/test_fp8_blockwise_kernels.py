@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import INTERPRETED, assert_like_the_emulation
+from conftest import INTERPRETED, as_if_on_gpu, assert_like_the_emulation
 
 from dtrain.config import ConfigError, FP8Config
 from dtrain.models import build
-from dtrain.parallel import fp8 as fp8_module
 from dtrain.parallel import fp8_blockwise as blockwise_module
 from dtrain.parallel.fp8 import check_fp8, convert_to_fp8, describe_fp8
 from dtrain.parallel.fp8_blockwise import BlockwiseLinear, blockwise_linear
@@ -67,9 +66,7 @@ def test_the_linears_convert_to_the_kernels_where_asked_and_are_named(monkeypatc
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the kernels pass their check on a GPU: "
                     "the failure is caused for real where there is none")
 def test_a_gpu_on_which_the_kernels_fail_their_check_is_refused_for_them(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
-    monkeypatch.setattr(fp8_module, "require_backend", lambda backend: None)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    as_if_on_gpu(monkeypatch)
     # This machine has no GPU: the check's products fail for real.
     with pytest.raises(ConfigError, match=(
             r"^fp8.blockwise_gemm = 'kernels' needs dtrain's Triton kernels, which failed their "
