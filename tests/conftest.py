@@ -133,8 +133,10 @@ def assert_like_the_emulation(name: str, got: torch.Tensor, want: torch.Tensor,
     sum that tips an intermediate's e4m3 rounding, 2^-4 relative) and none is off by 2e-3 of
     the largest. Hopper's FP8 tensor cores sum each 128-wide slice with fewer bits, which tips
     more of them: on an H100 a quarter of Mixtral-like outputs moved by over 1e-5 of the
-    largest and the largest move was 6.1e-3 of it (2026-12-06), so there the differences are
-    bounded as a whole, at 1% of the values' norm, and each at 2% of the largest."""
+    largest and the largest move was 6.1e-3 of it (2026-12-06). So there each value is bounded
+    at 2% of the largest (3x that move), and the differences as a whole at 1% of the values'
+    norm: a sixth of one e4m3 step (2^-4), the rounding the recipe itself puts on every value,
+    where tipped roundings are a few values' single steps."""
     scale = want.abs().max().item()
     if device == "cuda":
         spread = ((got - want).norm() / want.norm()).item()
