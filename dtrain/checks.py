@@ -16,6 +16,7 @@ from dtrain.build import batch_arithmetic
 from dtrain.config import Config, ConfigError, check_ranges
 from dtrain.lr_schedule import check_lr_schedule
 from dtrain.model_shape import check_shape, model_args_of
+from dtrain.optim import check_optimizer
 from dtrain.parallel.context import check_cp
 from dtrain.parallel.dims import ParallelDims
 from dtrain.parallel.expert import check_ep
@@ -62,6 +63,7 @@ def validate(cfg: Config, world_size: int, device: torch.device | None) -> Paral
                        cfg.compile.enabled)
         parse_layout(pcfg.pp_layout, args.n_layers, dims.pp * pcfg.pp_virtual_stages)
     check_lr_schedule(cfg.lr_schedule, cfg.optimizer.lr)
+    check_optimizer(cfg.optimizer, device, pcfg.fsdp_cpu_offload)
     _check_validation(cfg, dims)
     if cfg.fp8.enabled:
         check_fp8(cfg.fp8, device, dims.tp, tcfg.micro_batch_size * tcfg.seq_len // dims.cp)

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
-from dtrain.config import OptimizerConfig
+from dtrain.config import ConfigError, OptimizerConfig
 
 
 def build_optimizer(model: nn.Module | list[nn.Module], cfg: OptimizerConfig, device_type: str
@@ -23,8 +23,32 @@ def build_optimizer(model: nn.Module | list[nn.Module], cfg: OptimizerConfig, de
     impl = cfg.implementation
     if impl == "auto":
         impl = "fused" if device_type == "cuda" else "foreach"
+    if impl == "triton":
+        check_optimizer(cfg, torch.device(device_type), offload=False)
+        from dtrain.kernels import adamw
+
+        return adamw.TritonAdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
     kwargs = {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **kwargs)
+
+
+def check_optimizer(cfg: OptimizerConfig, device: torch.device | None, offload: bool) -> None:
+    """``implementation = "triton"`` needs Triton and the parameters on a CUDA device (or
+    Triton's interpreter, for the CPU tests); raises ConfigError naming the fix."""
+    if cfg.implementation != "triton" or device is None:
+        return
+    fix = "set optimizer.implementation = 'auto'"
+    try:
+        from dtrain.kernels import adamw
+    except ImportError as e:
+        raise ConfigError(f"optimizer.implementation = 'triton' needs Triton ({e}): {fix}"
+                          ) from None
+    if offload:
+        raise ConfigError("optimizer.implementation = 'triton' updates the parameters on the "
+                          f"GPU; parallel.fsdp_cpu_offload keeps them on the CPU: {fix}")
+    if not adamw.runs_on(device):
+        raise ConfigError(f"optimizer.implementation = 'triton' runs on CUDA; this run is on "
+                          f"{device.type}: {fix}")
 
 
 def grad_norm(grads: list[torch.Tensor], pp_group=None) -> torch.Tensor:

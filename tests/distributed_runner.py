@@ -65,7 +65,8 @@ def main() -> None:
         if probe is not None:
             probe.remove()
         results.append({"overrides": overrides, "init_ok": init_ok, "history": history,
-                        "compute_dtype": dtypes[0] if dtypes else None})
+                        "compute_dtype": dtypes[0] if dtypes else None,
+                        "optimizer": type(trainer.optimizer).__name__})
     if trainer.rank == 0:
         with open(out_path, "w") as f:
             json.dump(results, f)

@@ -3,7 +3,7 @@ losses and gradient norms within 1e-5 relative over 6 steps, with gradient accum
 activation-checkpointing mode."""
 
 import pytest
-from conftest import BASE, assert_same_run, run_distributed
+from conftest import BASE, INTERPRETED, assert_same_run, run_distributed
 
 from dtrain import Trainer, load_config
 from dtrain.config import ConfigError, ParallelConfig
@@ -33,13 +33,19 @@ def run_layouts(tmp_path, nproc: int, layouts: list[dict],
 def test_layout_matches_single_process(tmp_path, reference, nproc, layouts):
     # Weights kept gathered from forward to backward in every block (the auto policy's end
     # state on a roomy GPU).
+    # And AdamW's update in dtrain's Triton kernel on the ranks' shards (Triton's interpreter
+    # on the CPU; the folded clipping coefficient and the DTensors' local shards).
     extra = [{"parallel.dp_shard": nproc, "parallel.fsdp_reshard_after_forward": "never",
-              "activation_checkpoint.mode": "op"}]
+              "activation_checkpoint.mode": "op"},
+             {"parallel.dp_shard": nproc, "activation_checkpoint.mode": "none",
+              **({"optimizer.implementation": "triton"} if INTERPRETED else {})}]
     runs = run_layouts(tmp_path, nproc, layouts, extra)
     assert [r["overrides"]["activation_checkpoint.mode"] for r in runs] == \
-        AC_MODES * len(layouts) + ["op"]
+        AC_MODES * len(layouts) + ["op", "none"]
+    assert runs[-1]["optimizer"] == ("TritonAdamW" if INTERPRETED else "AdamW")
     for run in runs:
-        label = {k: v for k, v in run["overrides"].items() if k.startswith(("parallel", "act"))}
+        label = {k: v for k, v in run["overrides"].items()
+                 if k.startswith(("parallel", "act", "optimizer"))}
         assert_same_run(run, reference, str(label))
 
 

@@ -131,8 +131,9 @@ class OptimizerConfig:
     """Adam epsilon."""
     weight_decay: float = ranged(0.1, lambda v: v >= 0, "a number >= 0")
     """Decoupled weight decay on matrices (not on norms)."""
-    implementation: Literal["auto", "fused", "foreach", "for-loop"] = "auto"
-    """AdamW kernel; auto is fused on CUDA and foreach on CPU."""
+    implementation: Literal["auto", "fused", "foreach", "for-loop", "triton"] = "auto"
+    """AdamW kernel; auto is fused on CUDA and foreach on CPU; triton (CUDA) is torch's fused
+    AdamW with dtrain's Triton kernel for the update, one launch a parameter."""
     overlap_step: bool = True
     """On CUDA under FSDP (without pipeline parallel or CPU offload): run the step one FSDP unit
     at a time on a side stream, each unit's next all-gather waiting only for its own update, so
