@@ -9,8 +9,9 @@ into the step) and ``optimizer.found_inf`` (a non-finite step skipped on the dev
 kernel, with no host sync.
 
 Why: the update is a stream over four fp32 tensors a parameter (read the weight, gradient and
-both moments, write three of them). At Mixtral's 3.2B parameters on one H100 this kernel runs
-at the device's copy speed, torch's fused kernel 12% below it (docs/benchmarks.md).
+both moments, write three of them). At Mixtral's 3.2B parameters on one H100 a kernel of this
+form (before the scale and the flag were added) ran at the device's copy speed, torch's fused
+kernel 12% below it; not yet timed in training (docs/benchmarks.md).
 
 On CUDA tensors, and on CPU tensors in Triton's interpreter (the tests).
 """
