@@ -1,6 +1,8 @@
 """Tokenizer, packing and the data-parallel, resumable loader."""
 
 import json
+import queue
+import threading
 
 import numpy as np
 import pytest
@@ -167,6 +169,82 @@ def test_prefetcher_resumes_from_state_and_reraises_loader_errors():
     failing = Prefetcher(DataLoader(data, micro_batch=3, seed=5, vocab_size=10))
     with pytest.raises(ConfigError, match="outside the tokenizer's vocabulary"):
         failing.next_batch()
+
+
+class LostLockQueue(queue.Queue):
+    """A queue whose third put never returns: what the prefetch thread meets when a Ctrl-C
+    landed inside the training thread's get() and left the queue's lock held."""
+
+    def __init__(self, maxsize: int = 0):
+        super().__init__(maxsize)
+        self.puts = 0
+
+    def put(self, item, block=True, timeout=None):
+        self.puts += 1
+        if self.puts == 3:
+            threading.Event().wait()  # blocked for good, as on a lock nobody releases
+        super().put(item, block, timeout)
+
+
+class SlowFetch:
+    """A loader whose third fetch takes ``delay`` seconds."""
+
+    def __init__(self, loader, delay: float):
+        self.loader, self.delay, self.fetches = loader, delay, 0
+        self.state_key, self.dp_size = loader.state_key, loader.dp_size
+        self.fetch_started = threading.Event()
+
+    def next_batch(self):
+        self.fetches += 1
+        if self.fetches == 3:
+            self.fetch_started.set()
+            threading.Event().wait(self.delay)
+        return self.loader.next_batch()
+
+    def state_dict(self):
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state):
+        self.loader.load_state_dict(state)
+
+
+def closed_within(prefetcher, seconds: float) -> bool:
+    closer = threading.Thread(target=prefetcher.close, daemon=True)
+    closer.start()
+    closer.join(seconds)
+    return not closer.is_alive()
+
+
+def test_prefetcher_close_returns_when_the_handover_is_stuck(monkeypatch):
+    # Ctrl-C during the wait for a batch once hung the run's exit: close() joined a thread
+    # blocked for good on the queue's lock. It now leaves that thread and rewinds the loader.
+    data = PackedTokens(np.arange(1001), seq_len=10)
+    plain = DataLoader(data, micro_batch=3, seed=5)
+    expected = [plain.next_batch()[0] for _ in range(3)]
+    monkeypatch.setattr(queue, "Queue", LostLockQueue)
+    prefetched = Prefetcher(DataLoader(data, micro_batch=3, seed=5), depth=2)
+    got = [prefetched.next_batch()[0]]
+    while prefetched.loader.state_dict()["consumed"] < 9:  # the third batch fetched, stuck
+        threading.Event().wait(0.01)
+    assert closed_within(prefetched, 30)
+    got += [prefetched.next_batch()[0] for _ in range(2)]
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+
+
+def test_prefetcher_close_waits_for_a_fetch_in_progress():
+    # A fetch under way when close() is called finishes first: the loader is rewound after it,
+    # not while the thread still reads it.
+    data = PackedTokens(np.arange(1001), seq_len=10)
+    plain = DataLoader(data, micro_batch=3, seed=5)
+    expected = [plain.next_batch()[0] for _ in range(3)]
+    slow = SlowFetch(DataLoader(data, micro_batch=3, seed=5), delay=3.0)
+    prefetched = Prefetcher(slow, depth=2)
+    got = [prefetched.next_batch()[0]]
+    assert slow.fetch_started.wait(30)
+    assert closed_within(prefetched, 60)
+    assert slow.fetches == 3  # the slow fetch ran to its end before close() returned
+    got += [prefetched.next_batch()[0] for _ in range(2)]
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
 
 
 def test_prefetcher_close_rewinds_to_the_batches_handed_out():

@@ -130,6 +130,9 @@ def check_vocab(rows: np.ndarray, vocab_size: int | None, source: str) -> None:
                           "data.tokenizer to that one or re-create the data with this one")
 
 
+HANDOVER_STOP_S = 2.0  # how long close() waits for a thread handing a batch over to stop
+
+
 class Prefetcher:
     """Wraps a loader: a background thread fetches the next ``depth`` micro-batches (into pinned
     memory when ``pin_memory``, for asynchronous copies to the GPU) while the model computes.
@@ -141,11 +144,14 @@ class Prefetcher:
         self.state_key, self.dp_size = loader.state_key, loader.dp_size
         self._state = loader.state_dict()
         self._queue: queue.Queue | None = None
-        self._stop = threading.Event()
+        self._stop, self._fetching = threading.Event(), threading.Event()
         self._thread: threading.Thread | None = None
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
+    def _run(self, handover: queue.Queue, stop: threading.Event, fetching: threading.Event
+             ) -> None:
+        # Its own queue and events: a thread left behind by close() never touches the next ones.
+        while not stop.is_set():
+            fetching.set()
             try:
                 inputs, labels = self.loader.next_batch()
                 if self.pin_memory:
@@ -153,9 +159,11 @@ class Prefetcher:
                 item = (inputs, labels, self.loader.state_dict())
             except BaseException as e:  # handed to the training thread, which raises it
                 item = e
-            while not self._stop.is_set():
+            finally:
+                fetching.clear()
+            while not stop.is_set():
                 try:
-                    self._queue.put(item, timeout=0.1)
+                    handover.put(item, timeout=0.1)
                     break
                 except queue.Full:
                     continue
@@ -165,8 +173,9 @@ class Prefetcher:
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._queue is None:  # started on first use, so load_state_dict can come first
             self._queue = queue.Queue(maxsize=self.depth)
-            self._thread = threading.Thread(target=self._run, daemon=True,
-                                            name="dtrain-prefetch")
+            self._thread = threading.Thread(
+                target=self._run, args=(self._queue, self._stop, self._fetching), daemon=True,
+                name="dtrain-prefetch")
             self._thread.start()
         item = self._queue.get()
         if isinstance(item, BaseException):
@@ -180,8 +189,15 @@ class Prefetcher:
         if self._thread is None:
             return
         self._stop.set()
-        self._thread.join()
-        self._queue, self._thread, self._stop = None, None, threading.Event()
+        while self._fetching.is_set():  # a fetch in progress finishes before the loader rewinds
+            self._thread.join(0.05)
+        # Then the thread only hands its batch over, and sees the stop within 0.1 s, unless the
+        # queue's lock is lost: a Ctrl-C that lands inside the training thread's get() can leave
+        # it held for good (CPython runs the signal's exception between the lock's acquire and
+        # its release). That thread, a daemon, is left blocked; it will not touch the loader.
+        self._thread.join(HANDOVER_STOP_S)
+        self._queue, self._thread = None, None
+        self._stop, self._fetching = threading.Event(), threading.Event()
         self.loader.load_state_dict(self._state)
 
     def state_dict(self) -> dict:
