@@ -190,7 +190,7 @@ class SlowFetch:
     """A loader whose third fetch takes ``delay`` seconds."""
 
     def __init__(self, loader, delay: float):
-        self.loader, self.delay, self.fetches = loader, delay, 0
+        self.loader, self.delay, self.fetches, self.completed = loader, delay, 0, 0
         self.state_key, self.dp_size = loader.state_key, loader.dp_size
         self.fetch_started = threading.Event()
 
@@ -199,13 +199,21 @@ class SlowFetch:
         if self.fetches == 3:
             self.fetch_started.set()
             threading.Event().wait(self.delay)
-        return self.loader.next_batch()
+        batch = self.loader.next_batch()
+        self.completed += 1
+        return batch
 
     def state_dict(self):
         return self.loader.state_dict()
 
     def load_state_dict(self, state):
         self.loader.load_state_dict(state)
+
+
+def first_batches(data, count: int) -> list[torch.Tensor]:
+    """The inputs of a plain loader's first ``count`` batches, as every prefetcher test draws."""
+    plain = DataLoader(data, micro_batch=3, seed=5)
+    return [plain.next_batch()[0] for _ in range(count)]
 
 
 def closed_within(prefetcher, seconds: float) -> bool:
@@ -219,8 +227,6 @@ def test_prefetcher_close_returns_when_the_handover_is_stuck(monkeypatch):
     # Ctrl-C during the wait for a batch once hung the run's exit: close() joined a thread
     # blocked for good on the queue's lock. It now leaves that thread and rewinds the loader.
     data = PackedTokens(np.arange(1001), seq_len=10)
-    plain = DataLoader(data, micro_batch=3, seed=5)
-    expected = [plain.next_batch()[0] for _ in range(3)]
     monkeypatch.setattr(queue, "Queue", LostLockQueue)
     prefetched = Prefetcher(DataLoader(data, micro_batch=3, seed=5), depth=2)
     got = [prefetched.next_batch()[0]]
@@ -228,23 +234,21 @@ def test_prefetcher_close_returns_when_the_handover_is_stuck(monkeypatch):
         threading.Event().wait(0.01)
     assert closed_within(prefetched, 30)
     got += [prefetched.next_batch()[0] for _ in range(2)]
-    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(got, first_batches(data, 3), strict=True))
 
 
 def test_prefetcher_close_waits_for_a_fetch_in_progress():
     # A fetch under way when close() is called finishes first: the loader is rewound after it,
     # not while the thread still reads it.
     data = PackedTokens(np.arange(1001), seq_len=10)
-    plain = DataLoader(data, micro_batch=3, seed=5)
-    expected = [plain.next_batch()[0] for _ in range(3)]
     slow = SlowFetch(DataLoader(data, micro_batch=3, seed=5), delay=3.0)
     prefetched = Prefetcher(slow, depth=2)
     got = [prefetched.next_batch()[0]]
     assert slow.fetch_started.wait(30)
     assert closed_within(prefetched, 60)
-    assert slow.fetches == 3  # the slow fetch ran to its end before close() returned
+    assert slow.completed == 3  # the slow fetch ran to its end before close() returned
     got += [prefetched.next_batch()[0] for _ in range(2)]
-    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(got, first_batches(data, 3), strict=True))
 
 
 def test_prefetcher_close_rewinds_to_the_batches_handed_out():

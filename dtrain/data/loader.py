@@ -150,8 +150,11 @@ class Prefetcher:
     def _run(self, handover: queue.Queue, stop: threading.Event, fetching: threading.Event
              ) -> None:
         # Its own queue and events: a thread left behind by close() never touches the next ones.
-        while not stop.is_set():
-            fetching.set()
+        while True:
+            fetching.set()  # before the stop is read: close() sees the one or this the other
+            if stop.is_set():
+                fetching.clear()
+                return
             try:
                 inputs, labels = self.loader.next_batch()
                 if self.pin_memory:
