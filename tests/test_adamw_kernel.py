@@ -15,7 +15,7 @@ from conftest import BASE, INTERPRETED, PYTHONPATH, ROOT
 
 from dtrain import Trainer, load_config
 from dtrain.config import ConfigError
-from dtrain.optim import check_optimizer
+from dtrain.optim import build_optimizer, check_optimizer
 
 # The kernel on CPU tensors runs in Triton's interpreter, which conftest turns on where there is
 # no GPU (CI); on a GPU machine the CUDA cases run instead.
@@ -62,8 +62,9 @@ def assert_same(pair) -> None:
     for p, q in zip(*(list(o.state) for o in pair), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
         for key in ("step", "exp_avg", "exp_avg_sq"):
+            # Torch's foreach AdamW keeps its step count on the host, fused ones on the device.
             torch.testing.assert_close(ours.state[p][key], theirs.state[q][key], rtol=1e-5,
-                                       atol=1e-7)
+                                       atol=1e-7, check_device=False)
 
 
 def grads_like(pair, seed: int) -> list[torch.Tensor]:
@@ -113,6 +114,28 @@ def test_checkpoints_move_between_torch_s_fused_adamw_and_the_triton_one(device)
     for step in (1, 2):
         step_both(pair, grads_like(pair, step))
     assert_same(pair)
+
+
+def test_auto_keeps_torch_s_fused_adamw_for_parameters_off_the_gpu():
+    # A CUDA run whose parameters stay on the CPU (parallel.fsdp_cpu_offload): torch's fused
+    # AdamW, which updates them there; on the CPU, foreach.
+    cfg = load_config("debug", {}).optimizer
+    offloaded = build_optimizer(torch.nn.Linear(8, 8), cfg, "cuda")
+    assert type(offloaded) is torch.optim.AdamW and offloaded.defaults["fused"]
+    on_cpu = build_optimizer(torch.nn.Linear(8, 8), cfg, "cpu")
+    assert type(on_cpu) is torch.optim.AdamW and on_cpu.defaults["foreach"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_auto_takes_the_triton_kernel_on_the_gpu_unless_a_parameter_is_not_contiguous():
+    from dtrain.kernels.adamw import TritonAdamW
+
+    cfg = load_config("debug", {}).optimizer
+    assert type(build_optimizer(torch.nn.Linear(8, 8).cuda(), cfg, "cuda")) is TritonAdamW
+    strided = torch.nn.Linear(8, 8).cuda()
+    strided.weight = torch.nn.Parameter(torch.randn(8, 8, device="cuda").t())
+    optimizer = build_optimizer(strided, cfg, "cuda")
+    assert type(optimizer) is torch.optim.AdamW and optimizer.defaults["fused"]
 
 
 @ON_CPU

@@ -18,6 +18,7 @@ from dtrain.model_shape import SHAPE_KEYS, model_args_of
 from dtrain.models import Transformer, model_args
 from dtrain.plan.dry_run import dry_run
 from dtrain.run import feature_lines
+from dtrain.train import main as train_main
 
 # A shape no preset has: 6 query heads over 2 KV heads of 40 channels (not 192 / 6), an
 # explicit feed-forward width, QKV biases and QK-norm, untied, YaRN.
@@ -93,14 +94,30 @@ def test_moe_keys_make_a_dense_model_moe_and_choose_its_layers():
      "model.hf_config = '/nonexistent/model': no such file or folder with a config.json"),
 ], ids=["heads-divide", "kv-divide", "odd-head", "top-k", "no-moe-layer", "head-dim-range",
         "kv-range", "tp-heads", "hf-config-missing"])
-def test_a_shape_that_cannot_be_built_is_one_line_naming_the_keys(cli, overrides, message):
+def test_a_shape_that_cannot_be_built_is_one_line_naming_the_keys(capsys, overrides, message):
+    # The command's own function, in this process (a process each took 7 s of CI's 2 cores);
+    # the test below runs one of these through `python -m dtrain.train`.
+    code = train_main(shape_error_args(overrides))
+    stderr = capsys.readouterr().err
+    assert code == 2, stderr
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and message in lines[0], stderr
+
+
+def test_a_shape_error_from_the_command_is_its_one_stderr_line_and_exit_code_2(cli):
+    result = cli(shape_error_args({"model.hidden_size": 100, "model.n_heads": 6}))
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert lines == ["error: model.hidden_size = 100 is not divisible by model.n_heads = 6: "
+                     "change one, or set model.head_dim"], result.stderr
+
+
+def shape_error_args(overrides: dict) -> list[str]:
+    """The dry run's arguments for a debug model with ``overrides`` (8 ranks where TP is set)."""
     args = [a for key, value in overrides.items() for a in (f"--{key}", json.dumps(value)
                                                           if not isinstance(value, str) else value)]
     world = 8 if overrides.get("parallel.tp") else 1
-    result = cli(["--recipe", "debug", *args, "--dry-run", "--dry-run-world-size", str(world)])
-    assert result.returncode == 2, result.stdout + result.stderr
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and message in lines[0], result.stderr
+    return ["--recipe", "debug", *args, "--dry-run", "--dry-run-world-size", str(world)]
 
 
 def test_a_shape_declared_only_in_a_toml_recipe_trains_and_is_saved_as_set(tmp_path):

@@ -132,8 +132,10 @@ class OptimizerConfig:
     weight_decay: float = ranged(0.1, lambda v: v >= 0, "a number >= 0")
     """Decoupled weight decay on matrices (not on norms)."""
     implementation: Literal["auto", "fused", "foreach", "for-loop", "triton"] = "auto"
-    """AdamW kernel; auto is fused on CUDA and foreach on CPU; triton (CUDA) is torch's fused
-    AdamW with dtrain's Triton kernel for the update, one launch a parameter."""
+    """AdamW kernel; triton (CUDA) is torch's fused AdamW with dtrain's Triton kernel for the
+    update, one launch a parameter; auto is triton on CUDA where Triton is installed and the
+    parameters are on the GPU (fused otherwise, as with parallel.fsdp_cpu_offload), foreach on
+    the CPU."""
     overlap_step: bool = True
     """On CUDA under FSDP (without pipeline parallel or CPU offload): run the step one FSDP unit
     at a time on a side stream, each unit's next all-gather waiting only for its own update, so
