@@ -34,16 +34,14 @@ def build_optimizer(model: nn.Module | list[nn.Module], cfg: OptimizerConfig, de
 
 
 def triton_takes(params: list[torch.Tensor]) -> bool:
-    """Whether ``implementation = "auto"`` on CUDA takes dtrain's Triton AdamW (0.4-1.7% faster
-    a training step than torch's fused one, docs/benchmarks.md): where Triton is installed and
-    every parameter is a contiguous tensor on the GPU (not offloaded to the CPU); else torch's
-    fused AdamW."""
+    """Whether ``implementation = "auto"`` on CUDA takes dtrain's Triton AdamW (a faster step
+    than torch's fused one, docs/benchmarks.md): where Triton is installed and every parameter is
+    a contiguous tensor on the GPU (not offloaded to the CPU); else torch's fused AdamW."""
     try:
-        from dtrain.kernels import adamw  # noqa: F401  (Triton is installed)
+        from dtrain.kernels import adamw
     except ImportError:
         return False
-    local = [p.to_local() if isinstance(p, DTensor) else p for p in params]
-    return all(t.device.type == "cuda" and t.is_contiguous() for t in local)
+    return all(t.device.type == "cuda" and t.is_contiguous() for t in map(adamw._local, params))
 
 
 def check_optimizer(cfg: OptimizerConfig, device: torch.device | None, offload: bool) -> None:
