@@ -51,6 +51,7 @@ from dtrain.kernels.accumulate import accumulate_grouped_matmul
 from dtrain.kernels.blockwise_mm import BLOCK, quantize_blocks, quantize_tiles
 from dtrain.kernels.cublaslt import accumulate_grouped_scaled_mm
 from dtrain.kernels.grouped_blockwise import accumulate_grouped_blockwise, grouped_blockwise_mm
+from dtrain.kernels.lazy_compile import compile_on_first_call
 
 ALIGN = 16  # FP8 grouped GEMMs: rows per group a multiple of this
 E4M3 = torch.float8_e4m3fn
@@ -108,7 +109,7 @@ def cast_weight(weight: torch.Tensor, mode: str, dtype: torch.dtype) -> tuple[to
     return (*cast(weight), *cast(weight.transpose(-2, -1).contiguous()))
 
 
-_compiled_cast_weight = torch.compile(cast_weight, fullgraph=True, dynamic=False)
+_compiled_cast_weight = compile_on_first_call(cast_weight, fullgraph=True, dynamic=False)
 
 
 def step_cast_weight(weight: torch.Tensor, mode: str,

@@ -44,6 +44,7 @@ from torch import nn
 
 from dtrain.config import ConfigError, FP8Config
 from dtrain.hooks import StepHook
+from dtrain.kernels.lazy_compile import compile_on_first_call
 from dtrain.models.moe import GroupedExperts, Router
 from dtrain.parallel.fp8_blockwise import (
     blockwise_filter,
@@ -206,13 +207,12 @@ def _fp8_experts(model: nn.Module, emulate: bool, fp8_weight_gradient: bool) -> 
     return names
 
 
-@torch.compiler.disable
 def _te_forward(self, inp: torch.Tensor) -> torch.Tensor:
-    """``te.Linear.forward`` outside any compiled graph (torch.compile traces the rest of the
-    block around it), told whether this is the step's first micro-batch while training: TE
-    casts the weight to FP8 in the first and reuses that cast in the step's later forwards and
-    backwards (``is_first_microbatch``; ``TEFirstMicrobatch`` sets the flag before each step).
-    Evaluation and forwards outside steps cast afresh."""
+    """``te.Linear.forward``, kept outside any compiled graph by ``_te_linear`` (torch.compile
+    traces the rest of the block around it), told whether this is the step's first micro-batch
+    while training: TE casts the weight to FP8 in the first and reuses that cast in the step's
+    later forwards and backwards (``is_first_microbatch``; ``TEFirstMicrobatch`` sets the flag
+    before each step). Evaluation and forwards outside steps cast afresh."""
     first = self._first_microbatch if torch.is_grad_enabled() else None
     if first:
         self._first_microbatch = False
@@ -226,7 +226,8 @@ def _te_linear(te, linear: nn.Linear) -> nn.Module:
     new = te.Linear(linear.in_features, linear.out_features, bias=linear.bias is not None,
                     params_dtype=linear.weight.dtype, device=device)
     new._first_microbatch = None
-    new.forward = types.MethodType(_te_forward, new)
+    # disabled here, not at import: building the wrapper imports Dynamo (lazy_compile's why)
+    new.forward = types.MethodType(torch.compiler.disable(_te_forward), new)
     if device.type != "meta":
         with torch.no_grad():
             new.weight.copy_(linear.weight)
@@ -410,7 +411,7 @@ def fp8_step_hooks(model_parts: Sequence[nn.Module], cfg: FP8Config, fsdp: bool,
     return hooks
 
 
-@torch.compile(fullgraph=True, dynamic=False)
+@compile_on_first_call(fullgraph=True, dynamic=False)
 def _cast(shard: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """torchao's own steps (``hp_tensor_and_scale_to_float8``): scale in fp32, saturate,
     convert; compiled into one kernel."""

@@ -28,12 +28,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import (
-    PipelineScheduleMulti,
-    PipelineScheduleSingle,
-    get_schedule_class,
-)
 
 from dtrain.config import ConfigError
 from dtrain.dtensor import full
@@ -197,6 +191,14 @@ class Pipeline:
 
         def scaled_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
             return loss_fn(output, target) * loss_scale
+
+        # imported here: torch's pipelining imports Dynamo (seconds), which runs without pp skip
+        from torch.distributed.pipelining import PipelineStage
+        from torch.distributed.pipelining.schedules import (
+            PipelineScheduleMulti,
+            PipelineScheduleSingle,
+            get_schedule_class,
+        )
 
         stages = [PipelineStage(part, index, num_stages, device, group=pp_mesh.get_group())
                   for part, index in zip(parts, indices, strict=True)]

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from dtrain.hooks import step_grad
+from dtrain.kernels.lazy_compile import compile_on_first_call
 from dtrain.step_weights.copies import StepCopies
 
 
@@ -66,7 +67,8 @@ def _scale_and_cast(weight: torch.Tensor, dtype: torch.dtype, round_scales_to_po
 # On the GPU a reduction and tiled pointwise kernels per weight (eager's copy of FP8 into a
 # transposed layout is its unvectorised kernel: 0.18 ms for a 4096 x 14336 weight on an H200);
 # eager kernels elsewhere.
-_compiled_scale_and_cast = torch.compile(_scale_and_cast, fullgraph=True, dynamic=False)
+_compiled_scale_and_cast = compile_on_first_call(_scale_and_cast, fullgraph=True,
+                                                dynamic=False)
 
 
 def _add(total: torch.Tensor, grad: torch.Tensor) -> None:
@@ -79,7 +81,7 @@ def _copy(total: torch.Tensor, grad: torch.Tensor) -> None:
 
 # On the GPU one vectorised kernel each (eager's add of mixed dtypes is its slower unrolled
 # kernel: 2.8 TB/s on an H200; shapes after the first are compiled dynamic); eager elsewhere.
-_compiled = {op: torch.compile(op, fullgraph=True) for op in (_add, _copy)}
+_compiled = {op: compile_on_first_call(op, fullgraph=True) for op in (_add, _copy)}
 
 
 def add_into_grad(param: torch.Tensor, grad: torch.Tensor) -> None:

@@ -13,6 +13,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.distributed_c10d import _resolve_process_group
 
+from dtrain.kernels.lazy_compile import compile_on_first_call
+
 _aten = torch.ops.aten
 
 
@@ -206,7 +208,7 @@ def merge_eager(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
 # On CUDA the merge is one compiled kernel (read both outputs, write one) where eager runs six
 # passes over the output; it runs inside the attention operators, which the model's compiled
 # graph calls as opaque kernels.
-merge_fused = torch.compile(merge_eager, dynamic=False)
+merge_fused = compile_on_first_call(merge_eager, dynamic=False)
 
 
 def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
