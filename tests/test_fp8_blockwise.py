@@ -274,7 +274,7 @@ def test_the_blockwise_model_initialises_to_the_same_weights():
 
 # ---- (d) training --------------------------------------------------------------------------
 
-RUN = {**BASE, "training.device": "cpu", "training.micro_batch_size": 4}
+RUN = {**BASE, "training.device": "cpu", "training.micro_batch_size": 4, "training.steps": 6}
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

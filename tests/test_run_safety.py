@@ -69,14 +69,14 @@ def test_async_saves_on_two_gloo_ranks_complete_and_resume_like_one_process(refe
     out, err = first.communicate(timeout=300)
     assert first.returncode == 0, err[-3000:]
     folder = tmp_path / "debug" / "checkpoints"
-    assert checkpoint_steps(folder) == [2, 4, 6]
+    assert checkpoint_steps(folder) == [2, 4]
     assert not list(folder.glob("*.tmp"))
     assert_losses(strict_records(tmp_path / "debug"), reference)
-    again = torchrun([*args, "--checkpoint.load_step", "4"])  # every save of it loads
+    again = torchrun([*args, "--checkpoint.load_step", "2"])  # an earlier save loads too
     out, err = again.communicate(timeout=300)
     assert again.returncode == 0, err[-3000:]
-    assert "resumed from step 4" in out
-    assert checkpoint_steps(folder) == [2, 4, 6]
+    assert "resumed from step 2" in out
+    assert checkpoint_steps(folder) == [2, 4]
     assert_losses(strict_records(tmp_path / "debug"), reference)
 
 
