@@ -1,10 +1,12 @@
 """``compile_on_first_call``: ``torch.compile`` of a small function, built when it is first
 called rather than when its module is imported.
 
-Building a compile wrapper imports Dynamo and Inductor, about 2 s of every process's start on a
-CPU. dtrain's small compiled functions (the step's FP8 casts, the attention merge, the gradient
-adds) run only on CUDA tensors, so a CPU run, ``--help``, a dry run or the planner never pays
-for them, and a GPU run pays once, at the first call."""
+Building a compile wrapper imports Dynamo and Inductor, about 2 s of a process's start on a CPU.
+dtrain's small compiled functions (the step's FP8 casts, the attention merge, the gradient adds)
+run only on CUDA tensors, so ``--help``, ``--print-config``, the planner and a config error start
+without them, and a GPU run builds each at its first call. (A command that builds the model, a
+run or a dry run, still imports Dynamo: torch's decompositions of the meta-device model's
+initialisation do.)"""
 
 from __future__ import annotations
 

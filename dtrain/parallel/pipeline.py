@@ -192,7 +192,8 @@ class Pipeline:
         def scaled_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
             return loss_fn(output, target) * loss_scale
 
-        # imported here: torch's pipelining imports Dynamo (seconds), which runs without pp skip
+        # imported here, not at the top: torch's pipelining imports Dynamo, which a command
+        # without a pipeline need not load
         from torch.distributed.pipelining import PipelineStage
         from torch.distributed.pipelining.schedules import (
             PipelineScheduleMulti,
