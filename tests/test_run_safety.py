@@ -59,24 +59,24 @@ def assert_losses(records: list[dict], reference: list[dict]) -> None:
 
 # ---- asynchronous saves on several ranks ---------------------------------------------------
 
-def test_async_saves_on_two_gloo_ranks_complete_and_resume_like_one_process(reference,
-                                                                             tmp_path):
+def test_async_saves_on_two_gloo_ranks_complete_and_resume_like_one_process(tmp_path):
     # Each background save's collectives run on a group of their own: before, the first one
-    # hung the job or made gloo report a collective mismatch.
-    args = cli_args({**CKPT, "checkpoint.async_save": True, "checkpoint.keep_last": 0,
-                     "job.output_dir": str(tmp_path)})
+    # hung the job or made gloo report a collective mismatch. 6 steps: two saves mid-run.
+    reference = trainer(tmp_path / "one", 6, **{"checkpoint.enabled": False}).train()
+    args = cli_args({**CKPT, "training.steps": 6, "checkpoint.async_save": True,
+                     "checkpoint.keep_last": 0, "job.output_dir": str(tmp_path)})
     first = torchrun(args)
     out, err = first.communicate(timeout=300)
     assert first.returncode == 0, err[-3000:]
     folder = tmp_path / "debug" / "checkpoints"
-    assert checkpoint_steps(folder) == [2, 4]
+    assert checkpoint_steps(folder) == [2, 4, 6]
     assert not list(folder.glob("*.tmp"))
     assert_losses(strict_records(tmp_path / "debug"), reference)
-    again = torchrun([*args, "--checkpoint.load_step", "2"])  # an earlier save loads too
+    again = torchrun([*args, "--checkpoint.load_step", "4"])  # every save of it loads
     out, err = again.communicate(timeout=300)
     assert again.returncode == 0, err[-3000:]
-    assert "resumed from step 2" in out
-    assert checkpoint_steps(folder) == [2, 4]
+    assert "resumed from step 4" in out
+    assert checkpoint_steps(folder) == [2, 4, 6]
     assert_losses(strict_records(tmp_path / "debug"), reference)
 
 
