@@ -69,8 +69,8 @@ def test_the_grouped_gemms_equal_each_expert_on_its_own(counts, mode, device):
     for name, g, w in zip(("out", "rows", "w1", "w2", "w3"), (got, *got_grads),
                           (want, *want_grads), strict=True):
         assert_like_the_emulation(name, g, w, device, most_off)
-    # and they are not the plain products: the casts round (the plain GEMM leaves the rows past
-    # the groups unspecified, uninitialised memory, so only the groups' rows are compared)
+    # and they are not the plain products: the casts round (in the groups' rows only; the plain
+    # GEMM leaves the rows past them unwritten)
     module.fp8 = None
     grouped = sum(counts)
     plain = module(rows, counts_t)[:grouped]

@@ -72,7 +72,7 @@ def test_async_saves_on_two_gloo_ranks_complete_and_resume_like_one_process(tmp_
     assert checkpoint_steps(folder) == [2, 4, 6]
     assert not list(folder.glob("*.tmp"))
     assert_losses(strict_records(tmp_path / "debug"), reference)
-    again = torchrun([*args, "--checkpoint.load_step", "4"])  # every save of it loads
+    again = torchrun([*args, "--checkpoint.load_step", "4"])  # a mid-run save loads too
     out, err = again.communicate(timeout=300)
     assert again.returncode == 0, err[-3000:]
     assert "resumed from step 4" in out
